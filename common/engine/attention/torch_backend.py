@@ -1,0 +1,145 @@
+"""Attention over the paged KV cache in plain torch: the CPU path and the reference seam.
+
+Shapes: see base.py. Decode sequences are batched by gathering their blocks into a padded
+[Bd, M*S, Hkv, D] view and masking; prefill chunks run one sequence at a time through
+``scaled_dot_product_attention`` (a chunk with no cached prefix attends to its own fresh
+K/V, exactly like a dense causal forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.engine.attention.base import AttentionBatch
+
+
+@dataclass
+class TorchAttentionMetadata:
+    batch: AttentionBatch
+    decode_block_ids: torch.Tensor  # [Bd, Md] blocks to gather for the decode group
+    decode_mask: torch.Tensor  # [Bd, 1, 1, Md*S] True where a position may be attended
+    prefill_block_ids: list[torch.Tensor]  # per prefill sequence: its blocks [m_i]
+    prefill_masks: list[torch.Tensor | None]  # per prefill sequence: [q, ctx] or None (causal)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
+
+    def prepare(self, batch: AttentionBatch, block_size: int) -> TorchAttentionMetadata:
+        window = self.sliding_window
+        num_decodes = batch.num_decode_tokens
+        if num_decodes:
+            num_blocks = -(-batch.max_decode_seq_len // block_size)
+            block_ids = batch.decode_block_tables[:, :num_blocks].long()
+            positions = torch.arange(num_blocks * block_size)
+            seq_lens = batch.decode_seq_lens.long()[:, None]
+            mask = positions[None, :] < seq_lens
+            if window is not None:
+                mask &= positions[None, :] >= seq_lens - window
+            decode_mask = mask[:, None, None, :]
+        else:
+            block_ids = torch.empty(0, 0, dtype=torch.long)
+            decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool)
+        prefill_block_ids: list[torch.Tensor] = []
+        prefill_masks: list[torch.Tensor | None] = []
+        for i, (q_len, seq_len) in enumerate(
+            zip(batch.prefill_query_lens_host, batch.prefill_seq_lens_host, strict=True)
+        ):
+            num_blocks = -(-seq_len // block_size)
+            prefill_block_ids.append(batch.prefill_block_tables[i, :num_blocks].long())
+            prefix_len = seq_len - q_len
+            if prefix_len == 0 and (window is None or seq_len <= window):
+                prefill_masks.append(None)
+                continue
+            q_pos = torch.arange(prefix_len, seq_len)[:, None]
+            k_pos = torch.arange(seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            prefill_masks.append(mask)
+        return TorchAttentionMetadata(batch, block_ids, decode_mask, prefill_block_ids, prefill_masks)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = metadata.batch
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [N*S, Hkv, D]
+        v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+        k_flat.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        num_decodes = batch.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, metadata, scale)
+        start = num_decodes
+        for i, q_len in enumerate(batch.prefill_query_lens_host):
+            end = start + q_len
+            mask = metadata.prefill_masks[i]
+            if mask is None:
+                keys, values = k[start:end], v[start:end]
+            else:
+                block_ids = metadata.prefill_block_ids[i]
+                seq_len = batch.prefill_seq_lens_host[i]
+                keys = k_cache[block_ids].flatten(0, 1)[:seq_len]
+                values = v_cache[block_ids].flatten(0, 1)[:seq_len]
+            out[start:end] = _dense_attention(q[start:end], keys, values, mask, scale)
+            start = end
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [Bd, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        block_ids = metadata.decode_block_ids
+        keys = k_cache[block_ids].flatten(1, 2)  # [Bd, Md*S, Hkv, D]
+        values = v_cache[block_ids].flatten(1, 2)
+        # Query heads of a group share their kv head: [Bd, Hkv, G, D] against [Bd, Hkv, ctx, D].
+        q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+        scores = torch.matmul(q_grouped, keys.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, ctx]
+        scores = scores.float().masked_fill(~metadata.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [Bd, Hkv, G, D]
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _dense_attention(
+    q: torch.Tensor,  # [q, Hq, D]
+    k: torch.Tensor,  # [ctx, Hkv, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [q, ctx] bool, None = causal over a fresh chunk
+    scale: float,
+) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1) if group > 1 else k.to(q.dtype)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1) if group > 1 else v.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, Hq, q, D]
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1)  # [q, Hq, D]

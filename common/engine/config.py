@@ -1,0 +1,84 @@
+"""EngineConfig: one frozen, validated description of an engine, built once from flags/env."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_memory_budget(text: str, total_bytes: int) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1e9"`` are bytes; a bare number <= 1 is a fraction of total."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read memory budget {text!r}; use e.g. 2GiB, 512MiB or 0.2")
+    value, unit = float(match.group(1)), match.group(2)
+    if unit is None and value <= 1.0:
+        if value <= 0:
+            raise ValueError(f"memory fraction must be in (0, 1], got {text!r}")
+        return int(value * total_bytes)
+    return int(value * _UNITS[(unit or "B").lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto = float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"  # bytes ("2GiB") or a fraction of device memory ("0.3")
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    max_waiting: int = 512
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    hash_seed: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+
+    @classmethod
+    def from_env(cls, model: str, **overrides: object) -> EngineConfig:
+        """Flags win over ``PDSERVE_*`` environment variables, which win over defaults."""
+        env = {
+            "attention_backend": os.environ.get("PDSERVE_ATTENTION_BACKEND"),
+            "kv_cache_memory": os.environ.get("PDSERVE_KV_CACHE_MEMORY"),
+            "device": os.environ.get("PDSERVE_DEVICE"),
+        }
+        values = {k: v for k, v in env.items() if v}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(model=model, **values)  # type: ignore[arg-type]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

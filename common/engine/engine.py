@@ -1,0 +1,281 @@
+"""Engine: the token-level core every worker wraps (scheduler -> KV manager -> model runner).
+
+One thread owns an Engine: ``add_request``/``abort``/``step`` are not thread-safe (see
+common/engine/engine_loop.py for the threaded driver the services use). Text, chat
+templates and stop strings live a layer above (common/engine/llm.py, the gateway).
+
+The prefill/decode split:
+- ``add_request(..., prefill_only=True)`` runs prefill, samples the first token, and then
+  holds the prompt's blocks; ``export_kv`` returns them in the wire layout and
+  ``release`` drops them.
+- ``add_request(..., output_token_ids=[first], kv_import=KvImport(...))`` admits a request
+  whose prompt KV came from elsewhere; it continues exactly as if prefilled here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.kv_manager import KVCacheManager
+from common.engine.model_runner import ModelRunner
+from common.engine.request import FinishReason, KvImport, Request, RequestStatus, TokenLogprob
+from common.engine.sampler import Sampler
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from common.errors import InvalidRequestError, NotFoundError
+from common.kv.hashing import BlockHash
+from common.models.spec import ModelSpec, load_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class KvExport:
+    """A prefill-only request's prompt KV, ready to ship (see common/kv/layout.py)."""
+
+    request_id: str
+    num_tokens: int
+    block_hashes: list[BlockHash]  # full blocks only
+    data: torch.Tensor  # [n, L, 2, S, Hkv, D], n = ceil(num_tokens / S)
+
+
+@dataclass
+class EngineStats:
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_held: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
+        self.config = config
+        self.spec = spec or load_spec(config.model)
+        start = time.monotonic()
+        self.runner = ModelRunner(config, self.spec)
+        self.block_size = config.block_size
+        capacity = self.runner.num_blocks * self.block_size
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings,
+            self.spec.max_position_embeddings,
+            capacity,
+        )
+        self.kv = KVCacheManager(self.runner.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
+        )
+        self.sampler = Sampler(self.spec.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
+        self.num_preemptions = 0
+        log.info(
+            "engine ready in %.1fs: %s, %d KV blocks (%d tokens), max_model_len %d",
+            time.monotonic() - start,
+            self.spec.architecture,
+            self.runner.num_blocks,
+            capacity,
+            self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+        kv_import: KvImport | None = None,
+    ) -> Request:
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self.validate(prompt_token_ids, sampling, len(output_token_ids or ()))
+        if kv_import is not None:
+            self._check_import(kv_import, len(prompt_token_ids) + len(output_token_ids or ()))
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            eos_token_ids=self.spec.eos_token_ids,
+            cache_salt=cache_salt,
+            prefill_only=prefill_only,
+            output_token_ids=output_token_ids,
+            kv_import=kv_import,
+            hash_seed=self.config.hash_seed,
+        )
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def validate(self, prompt: list[int], sampling: SamplingParams, num_generated: int = 0) -> None:
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("token_ids", f"token id {bad} is outside [0, {vocab})")
+        sampling.check_vocab(vocab)
+        if len(prompt) + num_generated >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens of context, including the output",
+            )
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context limit of {self.max_model_len} tokens",
+            )
+
+    def _check_import(self, kv_import: KvImport, num_tokens: int) -> None:
+        expected = (
+            -(-kv_import.num_tokens // self.block_size),
+            self.spec.num_layers,
+            2,
+            self.block_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        )
+        if tuple(kv_import.data.shape) != expected:
+            raise InvalidRequestError(
+                "kv", f"imported KV has shape {tuple(kv_import.data.shape)}, expected {expected}"
+            )
+        if not 0 < kv_import.num_tokens < num_tokens:
+            raise InvalidRequestError(
+                "kv", f"imported KV covers {kv_import.num_tokens} of {num_tokens} tokens"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request wherever it is and frees its blocks; False if unknown."""
+        if request_id in self.held:
+            self.release(request_id)
+            return True
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        self.kv.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        return True
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        outputs = [self._finish(req) for req in plan.finished]
+        if not plan.scheduled:
+            return outputs
+        now = time.monotonic()
+        for item in plan.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
+        logits, sampling = self.runner.execute(plan.scheduled, block_tables)
+        for item in plan.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.kv.publish_full_blocks(item.request)
+        if not sampling:
+            return outputs
+        requests = [s.request for s in sampling]
+        result = self.sampler(logits, requests)
+        for req, token_id, logprob in zip(requests, result.token_ids, result.logprobs, strict=True):
+            finished = req.append_token(token_id, self.max_model_len)
+            out = RequestOutput(
+                req.request_id,
+                [token_id],
+                [logprob],
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if finished:
+                out.finish_reason = self._finish(req).finish_reason
+            elif req.prefill_only:
+                self._hold(req)
+                out.finish_reason = FinishReason.PREFILLED
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.scheduler.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            req.request_id,
+            [],
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def _hold(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.PREFILLED
+        self.requests.pop(req.request_id, None)
+        self.held[req.request_id] = req
+
+    # -- the split --------------------------------------------------------------------------
+
+    def export_kv(self, request_id: str) -> KvExport:
+        req = self.held.get(request_id)
+        if req is None:
+            raise NotFoundError(f"no prefilled KV held for request {request_id!r}")
+        num_tokens = req.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        block_ids = self.kv.block_ids(req)[:num_blocks]
+        req.update_block_hashes(self.block_size)
+        hashes = req.block_hashes[: num_tokens // self.block_size]
+        return KvExport(request_id, num_tokens, hashes, self.runner.export_blocks(block_ids))
+
+    def release(self, request_id: str) -> bool:
+        """Frees a held prefill-only request's blocks; False if it was not held."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_kv_blocks_total=self.kv.pool.num_blocks,
+            num_kv_blocks_free=self.kv.pool.num_free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_held=len(self.held),
+            prefix_cache_hit_rate=self.kv.prefix_hit_rate,
+            num_preemptions=self.num_preemptions,
+        )

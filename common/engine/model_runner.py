@@ -1,0 +1,165 @@
+"""ModelRunner: owns the model and the KV cache tensor; turns a schedule into logits.
+
+Shapes: T = tokens in the step, n = sequences sampled, L/N/S/Hkv/D as in the KV cache
+``[L, 2, N, S, Hkv, D]``. Token order: single-token queries first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from common.engine.attention import AttentionBatch, select_backend
+from common.engine.config import EngineConfig, parse_memory_budget
+from common.engine.scheduler import ScheduledRequest
+from common.models.loader import CausalLM, build_model
+from common.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty(0, dtype=dtype).element_size()
+    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+
+
+def num_blocks_for_budget(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    device = config.torch_device
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = psutil.virtual_memory().total
+    budget = parse_memory_budget(config.kv_cache_memory, total)
+    num_blocks = budget // kv_bytes_per_block(spec, config.block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV budget {config.kv_cache_memory} holds no block of "
+            f"{kv_bytes_per_block(spec, config.block_size, dtype)} bytes"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.backend = select_backend(config.attention_backend, self.device, spec.sliding_window)
+        self.model: CausalLM = build_model(spec, config.model, self.backend, self.dtype, self.device)
+        self.num_blocks = num_blocks_for_budget(config, spec, self.dtype)
+        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
+        log.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %s, backend %s)",
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.dtype,
+            self.backend.name,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Runs one step; returns logits [n, V] for the requests that sample, in order."""
+        for item in scheduled:
+            if item.import_block_ids:
+                self._import(item)
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        S = self.block_size
+        for item in ordered:
+            req = item.request
+            table = block_tables[req.request_id]
+            start = req.num_computed_tokens
+            for pos in range(start, start + item.num_new_tokens):
+                slots.append(table[pos // S] * S + pos % S)
+            input_ids.extend(req.token_ids[start : start + item.num_new_tokens])
+            positions.extend(range(start, start + item.num_new_tokens))
+
+        def tables(items: list[ScheduledRequest]) -> torch.Tensor:
+            rows = [block_tables[s.request.request_id] for s in items]
+            width = max((len(r) for r in rows), default=0)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(
+                len(rows), width
+            )
+
+        decode_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        prefill_q_lens = [s.num_new_tokens for s in prefills]
+        prefill_lens = [s.request.num_computed_tokens + s.num_new_tokens for s in prefills]
+        q_starts = [0]
+        for q_len in prefill_q_lens:
+            q_starts.append(q_starts[-1] + q_len)
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=tables(decodes),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32),
+            prefill_block_tables=tables(prefills),
+            prefill_query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
+            prefill_seq_lens=torch.tensor(prefill_lens, dtype=torch.int32),
+            max_decode_seq_len=max(decode_lens, default=0),
+            prefill_query_lens_host=prefill_q_lens,
+            prefill_seq_lens_host=prefill_lens,
+        )
+        batch = _to_device(batch, self.device)
+        metadata = self.backend.prepare(batch, S)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache,
+            metadata,
+        )
+        self.num_forward_tokens += len(input_ids)
+
+        sampling = [s for s in ordered if s.samples]
+        last_index: list[int] = []
+        offset = 0
+        for item in ordered:
+            offset += item.num_new_tokens
+            if item.samples:
+                last_index.append(offset - 1)
+        index = torch.tensor(last_index, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        return logits, sampling
+
+    def _import(self, item: ScheduledRequest) -> None:
+        kv_import = item.request.kv_import
+        assert kv_import is not None, item.request.request_id
+        data = kv_import.data.to(device=self.device, dtype=self.dtype)  # [n, L, 2, S, Hkv, D]
+        block_ids = torch.tensor(item.import_block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, block_ids, data.permute(1, 2, 0, 3, 4, 5))
+        item.request.kv_import = None
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, L, 2, S, Hkv, D] contiguous copy of the blocks, the KV wire layout."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def _to_device(batch: AttentionBatch, device: torch.device) -> AttentionBatch:
+    if device.type == "cpu":
+        return batch
+    for name in (
+        "slot_mapping",
+        "decode_block_tables",
+        "decode_seq_lens",
+        "prefill_block_tables",
+        "prefill_query_start_loc",
+        "prefill_seq_lens",
+    ):
+        setattr(batch, name, getattr(batch, name).to(device, non_blocking=True))
+    return batch

@@ -1,0 +1,117 @@
+"""A request's life inside one engine: tokens, progress, blocks' hashes, status."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.sampling_params import SamplingParams
+from common.kv.hashing import BlockHash, extra_keys_for, hash_block, root_hash
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    PREFILLED = "prefilled"  # prefill-only: first token sampled, KV held for export
+
+
+@dataclass
+class KvImport:
+    """Prompt KV arriving from another engine, in the wire layout (see common/kv/layout.py).
+
+    ``data`` is ``[n, L, 2, S, Hkv, D]`` for the ``n = ceil(num_tokens / S)`` blocks that
+    cover the first ``num_tokens`` tokens of the request.
+    """
+
+    num_tokens: int
+    data: torch.Tensor
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: str | None = None,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+        kv_import: KvImport | None = None,
+        hash_seed: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        self.stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.cache_salt = cache_salt
+        self.prefill_only = prefill_only
+        self.kv_import = kv_import
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        # The chain of full-block hashes over token_ids, grown as tokens arrive.
+        self.block_hashes: list[BlockHash] = []
+        self._hash_extra = extra_keys_for(cache_salt)
+        self._hash_parent = root_hash(hash_seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        num_full = len(self.token_ids) // block_size
+        for i in range(len(self.block_hashes), num_full):
+            parent = self.block_hashes[-1] if self.block_hashes else self._hash_parent
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hash_block(parent, tokens, self._hash_extra))
+
+    def append_token(self, token_id: int, max_model_len: int) -> bool:
+        """Adds a sampled token; returns True if it finishes the request."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

@@ -1,0 +1,153 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill under a token budget.
+
+Each step: running requests first (decodes and unfinished prefill chunks, oldest first),
+then waiting requests in arrival order while the token budget, the sequence limit and the
+KV pool allow. When a running request cannot get a block, the newest running request is
+preempted (its blocks freed, its tokens kept) and later recomputed, using the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.kv_manager import KVCacheManager
+from common.engine.request import FinishReason, Request, RequestStatus
+from common.errors import QueueFullError
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # the model computes token_ids[num_computed : num_computed + this]
+    import_block_ids: list[int] = field(default_factory=list)  # blocks to fill from kv_import
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    # Requests the scheduler ended itself (e.g. alone and still out of KV blocks).
+    finished: list[Request]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting} requests); retry later"
+            )
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Takes a request out of whichever queue holds it (abort or finish)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        finished: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                if victim is req and not self.running:
+                    # Alone and still short of blocks: it can never grow further.
+                    self._finish_out_of_blocks(req)
+                    finished.append(req)
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and budget > 0
+        ):
+            req = self.waiting[0]
+            item = self._admit(req, budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+        return SchedulerOutput(scheduled, preempted, finished)
+
+    def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
+        assert req.num_computed_tokens == 0, f"{req.request_id} waits with computed tokens"
+        if req.kv_import is not None:
+            num_imported = req.kv_import.num_tokens
+            num_new = min(req.num_tokens - num_imported, budget)
+            if not self.kv.allocate_slots(req, num_imported + num_new):
+                return None
+            block_ids = self.kv.block_ids(req)[: self.kv.blocks_for_tokens(num_imported)]
+            req.num_computed_tokens = num_imported
+            req.status = RequestStatus.RUNNING
+            return ScheduledRequest(req, num_new, import_block_ids=block_ids)
+        hits = self.kv.computed_prefix(req)
+        num_hit_tokens = len(hits) * self.kv.block_size
+        num_new = min(req.num_tokens - num_hit_tokens, budget)
+        if not self.kv.allocate_slots(req, num_new, hits):
+            return None
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = min(num_hit_tokens, req.num_prompt_tokens)
+        req.status = RequestStatus.RUNNING
+        return ScheduledRequest(req, num_new)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.kv_import = None  # its blocks are gone; recompute from tokens
+        self.waiting.appendleft(req)
+
+    def _finish_out_of_blocks(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.LENGTH

@@ -1,0 +1,45 @@
+"""Errors a caller can act on. One place (common/rpc/errors.py) maps them to gRPC status codes.
+
+Each carries a stable ``reason`` (the ``google.rpc.ErrorInfo.reason`` clients switch on).
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    reason = "INTERNAL"
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """The request itself is wrong; ``field`` names the offending field."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFullError(PdserveError):
+    """A bounded queue is full; retry later or elsewhere."""
+
+    reason = "QUEUE_FULL"
+
+
+class CapacityError(PdserveError):
+    """The request can never fit (e.g. needs more KV blocks than the pool holds)."""
+
+    reason = "KV_CAPACITY"
+
+
+class NotFoundError(PdserveError, KeyError):
+    reason = "NOT_FOUND"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class UnavailableError(PdserveError):
+    """No worker (of a role) can take the request now."""
+
+    reason = "UNAVAILABLE"

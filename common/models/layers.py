@@ -1,0 +1,56 @@
+"""Building blocks shared by the model families. Shapes: T = tokens, H = hidden size."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 and cast back before the weight, as transformers does."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class ShardedLinear(nn.Linear):
+    """A linear layer whose output rows are the concatenation of several HF weights.
+
+    ``shard_sizes`` names the row ranges, e.g. q/k/v or gate/up, so that one matmul
+    replaces several while each HF tensor still loads by its own name.
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        start, size = self.shard_offsets[shard]
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {shard} bias but the config says there is none")
+        rows = target.data[start : start + size]
+        if rows.shape != tensor.shape:
+            raise ValueError(
+                f"{shard}.{param_name}: checkpoint shape {tuple(tensor.shape)} does not match "
+                f"the config's {tuple(rows.shape)}"
+            )
+        rows.copy_(tensor)

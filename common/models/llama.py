@@ -1,0 +1,202 @@
+"""The llama family: llama (SmolLM2, TinyLlama), mistral, qwen2 (qkv bias), qwen3 (q/k norm).
+
+Shapes: T = tokens in the step (all sequences packed), H = hidden size, Hq/Hkv = query/kv
+heads, D = head dim, I = intermediate size, V = vocab, L = layers, N = blocks, S = block size.
+The model sees a flat batch; which token belongs to which sequence, and where its K/V live,
+is the attention metadata's business.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.attention import AttentionBackend
+from common.models.layers import RMSNorm, ShardedLinear
+from common.models.rope import apply_rotary, cos_sin_table
+from common.models.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = ShardedLinear(
+            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.qkv_bias, dtype
+        )
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: torch.Tensor,  # [T, D]
+        k_cache: torch.Tensor,  # [N, S, Hkv, D]
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: Any,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = ShardedLinear(
+            spec.hidden_size, {"gate": size, "up": size}, spec.mlp_bias, dtype
+        )
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
+        self.intermediate_size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = Attention(spec, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = MLP(spec, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: Any,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), cos_sin, k_cache, v_cache, backend, metadata)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF weight name -> (our module path, shard or None, param). One regex per family of names.
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
+_SHARDS = {("self_attn", "q"): "qkv", ("self_attn", "k"): "qkv", ("self_attn", "v"): "qkv",
+           ("mlp", "gate"): "gate_up", ("mlp", "up"): "gate_up"}  # fmt: skip
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.lm_head.weight.requires_grad_(False)
+        self.tie_weights()
+        table = cos_sin_table(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.register_buffer("cos_sin", table, persistent=False)  # [P, D] float32
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the output head; call again after moving devices."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [L, 2, N, S, Hkv, D]
+        metadata: Any,
+    ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        h = self.embed_tokens(input_ids)
+        cos_sin = self.cos_sin[positions]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin, kv_cache[i, 0], kv_cache[i, 1], self.backend, metadata)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [n, V]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors; raises on an unexpected name or a missing tensor."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if _IGNORED.match(name):
+                continue
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            target = self._target(name)
+            if target is None:
+                raise ValueError(f"unexpected weight {name!r} for {self.spec.architecture}")
+            module_path, shard, param_name = target
+            if shard is not None:
+                module = self.get_submodule(module_path)
+                assert isinstance(module, ShardedLinear), module_path
+                module.load_shard(shard, param_name, tensor)
+                loaded.add(f"{module_path}.{param_name}#{shard}")
+                continue
+            full = f"{module_path}.{param_name}"
+            if full not in params:
+                raise ValueError(f"unexpected weight {name!r} for {self.spec.architecture}")
+            if params[full].shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the "
+                    f"config's {tuple(params[full].shape)}"
+                )
+            params[full].data.copy_(tensor)
+            loaded.add(full)
+        missing = []
+        for full in sorted(expected):
+            module_path, _, param_name = full.rpartition(".")
+            module = self.get_submodule(module_path)
+            if isinstance(module, ShardedLinear):
+                missing += [
+                    f"{module_path}.{param_name}#{shard}"
+                    for shard in module.shard_offsets
+                    if f"{module_path}.{param_name}#{shard}" not in loaded
+                ]
+            elif full not in loaded and not (full == "lm_head.weight" and self.spec.tie_word_embeddings):
+                missing.append(full)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, str | None, str] | None:
+        match = _LAYER_WEIGHT.fullmatch(name)
+        if match:
+            layer, block, proj, param = match.groups()
+            fused = _SHARDS.get((block, proj))
+            if fused is not None:
+                return f"layers.{layer}.{block}.{fused}_proj", proj, param
+            return f"layers.{layer}.{block}.{proj}_proj", None, param
+        if name.startswith("model."):
+            module_path, _, param = name[len("model.") :].rpartition(".")
+            return module_path, None, param
+        if name == "lm_head.weight":
+            return "lm_head", None, "weight"
+        return None
