@@ -1,0 +1,7 @@
+"""pdserve: disaggregated prefill/decode LLM serving over gRPC.
+
+The ``pdserve`` command lives in pdserve.cli; generated protobuf stubs live in
+pdserve.<area>.v1 (produced by scripts/gen_protos.sh, never edited by hand).
+"""
+
+__version__ = "0.1.0"

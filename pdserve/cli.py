@@ -1,0 +1,45 @@
+"""The ``pdserve`` command: one subcommand per role or tool."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pdserve.commands import convert, generate
+
+COMMANDS = (convert, generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving over gRPC."
+    )
+    parser.add_argument(
+        "--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), help="logging level"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``pdserve`` subcommand: each has ``register(subparsers)`` and ``run(args)``."""

@@ -1,0 +1,58 @@
+"""The engine flags shared by every command that runs an engine, and their config."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory (safetensors + config + tokenizer); default: SmolLM2-135M-"
+        "Instruct, converted into $PDSERVE_CACHE on first use",
+    )
+    group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    group.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV pool budget: bytes (2GiB, 512MiB) or a fraction of device memory (0.3)",
+    )
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="running sequences cap")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one step"
+    )
+    group.add_argument("--max-model-len", type=int, default=None, help="context limit")
+    group.add_argument("--max-waiting", type=int, default=None, help="waiting queue bound")
+    group.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "torch", "triton"],
+        help="auto = triton on CUDA, torch elsewhere (env PDSERVE_ATTENTION_BACKEND)",
+    )
+    group.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable the prefix cache"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    return EngineConfig.from_env(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+    )
