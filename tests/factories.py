@@ -87,6 +87,8 @@ def run_to_completion(
     pending = set(prompts)
     while pending:
         for out in engine.step():
+            if out.request_id not in outputs:
+                continue  # a request the caller added itself
             outputs[out.request_id] += out.new_token_ids
             if out.finished:
                 pending.discard(out.request_id)
