@@ -36,9 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "triton"],
         help="auto = triton on CUDA, torch elsewhere (env PDSERVE_ATTENTION_BACKEND)",
     )
-    group.add_argument(
-        "--no-prefix-caching", action="store_true", help="disable the prefix cache"
-    )
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
 
 
 def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:

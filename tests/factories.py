@@ -44,7 +44,9 @@ def make_tiny_checkpoint(
 
 
 def hf_greedy(
-    model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
+    model_dir: Path | str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
     ignore_eos: bool = True,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:

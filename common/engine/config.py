@@ -67,7 +67,7 @@ class EngineConfig:
             "kv_cache_memory": os.environ.get("PDSERVE_KV_CACHE_MEMORY"),
             "device": os.environ.get("PDSERVE_DEVICE"),
         }
-        values = {k: v for k, v in env.items() if v}
+        values: dict[str, object] = {k: v for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(model=model, **values)  # type: ignore[arg-type]
 

@@ -82,7 +82,9 @@ class Engine:
             self.spec.max_position_embeddings,
             capacity,
         )
-        self.kv = KVCacheManager(self.runner.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, self.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )

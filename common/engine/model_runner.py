@@ -51,9 +51,18 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device, spec.sliding_window)
-        self.model: CausalLM = build_model(spec, config.model, self.backend, self.dtype, self.device)
+        self.model: CausalLM = build_model(
+            spec, config.model, self.backend, self.dtype, self.device
+        )
         self.num_blocks = num_blocks_for_budget(config, spec, self.dtype)
-        shape = (spec.num_layers, 2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (
+            spec.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
         log.info(
@@ -93,9 +102,9 @@ class ModelRunner:
         def tables(items: list[ScheduledRequest]) -> torch.Tensor:
             rows = [block_tables[s.request.request_id] for s in items]
             width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(
-                len(rows), width
-            )
+            return torch.tensor(
+                [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32
+            ).reshape(len(rows), width)
 
         decode_lens = [s.request.num_computed_tokens + 1 for s in decodes]
         prefill_q_lens = [s.num_new_tokens for s in prefills]

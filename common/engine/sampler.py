@@ -57,7 +57,9 @@ class Sampler:
         if raw_logprobs is not None:
             for i, req in enumerate(requests):
                 if req.sampling.logprobs or req.sampling.top_logprobs:
-                    logprobs[i] = _logprob_entry(raw_logprobs[i], token_ids[i], req.sampling.top_logprobs)
+                    logprobs[i] = _logprob_entry(
+                        raw_logprobs[i], token_ids[i], req.sampling.top_logprobs
+                    )
         return SampleResult(token_ids, logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -74,7 +76,9 @@ class Sampler:
                 seen = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.long)
                 values = row[seen]
                 row[seen] = torch.where(
-                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                    values > 0,
+                    values / params.repetition_penalty,
+                    values * params.repetition_penalty,
                 )
             if params.presence_penalty or params.frequency_penalty:
                 output = requests[i].output_token_ids

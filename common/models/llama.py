@@ -117,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.tie_weights()
         table = cos_sin_table(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.cos_sin: torch.Tensor
         self.register_buffer("cos_sin", table, persistent=False)  # [P, D] float32
 
     def tie_weights(self) -> None:
@@ -180,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
                     for shard in module.shard_offsets
                     if f"{module_path}.{param_name}#{shard}" not in loaded
                 ]
-            elif full not in loaded and not (full == "lm_head.weight" and self.spec.tie_word_embeddings):
+            elif full not in loaded and not (
+                full == "lm_head.weight" and self.spec.tie_word_embeddings
+            ):
                 missing.append(full)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")

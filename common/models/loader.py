@@ -43,4 +43,3 @@ def build_model(
     model.cos_sin.copy_(cos_sin_table(spec.rope, spec.head_dim, spec.max_position_embeddings))
     model.load_weights(iter_safetensors(Path(model_dir)))
     return model.eval()
-

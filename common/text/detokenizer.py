@@ -54,7 +54,9 @@ class IncrementalDetokenizer:
 
     def _decode_step(self) -> None:
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
+        )
         full = decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return

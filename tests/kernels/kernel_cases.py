@@ -50,9 +50,11 @@ def make_paged_kv(
     dtype: torch.dtype,
     cache_dtype: torch.dtype | None = None,
     spare_blocks: int = 3,
+    one_token_per_write: bool = False,
 ) -> PagedKv:
     """Random K/V for each sequence, written into shuffled pages; the rest of the cache is
-    poison (NaN for float caches) so that reading an unused slot corrupts the result."""
+    poison (NaN for float caches) so that reading an unused slot corrupts the result.
+    one_token_per_write writes like decode steps do (quantized blocks then grow their scale)."""
     cache_dtype = cache_dtype or dtype
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -73,8 +75,14 @@ def make_paged_kv(
         k = torch.randn(n, num_kv_heads, head_dim).to(dtype).to(DEVICE)
         v = torch.randn(n, num_kv_heads, head_dim).to(dtype).to(DEVICE)
         positions = torch.arange(n)
-        slots = (tables[b, positions // block_size].long() * block_size + positions % block_size)
-        write_kv_ref(k, v, k_cache, v_cache, slots.to(DEVICE), k_scale, v_scale)
+        slots = tables[b, positions // block_size].long() * block_size + positions % block_size
+        slots = slots.to(DEVICE)
+        if one_token_per_write:
+            for t in range(n):
+                step = slice(t, t + 1)
+                write_kv_ref(k[step], v[step], k_cache, v_cache, slots[step], k_scale, v_scale)
+        else:
+            write_kv_ref(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         dense_k.append(k)
         dense_v.append(v)
     return PagedKv(

@@ -128,6 +128,43 @@ def test_stored_values_within_documented_bound(dtype):
             assert bool((err <= 3 * (x.abs() / 16 + scale / 1024)).all()), (slot, err.max())
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size", [1, 6])
+def test_quantized_write_unusual_block_sizes(dtype, block_size):
+    shape = (5, block_size, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(shape, device=DEVICE).to(dtype) for _ in range(4)]
+    scales = [new_kv_scales(5, NUM_KV_HEADS, DEVICE) for _ in range(4)]
+    for step in range(3):
+        slots = torch.tensor([2 * block_size + step, step, -1], device=DEVICE)
+        slots = slots[slots < 5 * block_size]
+        k = (1 + 10 * step) * torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+        write_kv(k, k, caches[0], caches[1], slots, scales[0], scales[1])
+        write_kv_ref(k, k, caches[2], caches[3], slots, scales[2], scales[3])
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(scales[0], scales[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_out_of_order_offsets_are_rescaled_too(dtype):
+    """Offsets 0-1, then 3, then 2 with large values: the scale grows and offset 3, written
+    before the growth and above the new token, must be re-encoded with the rest."""
+    x = {slot: torch.randn(1, NUM_KV_HEADS, HEAD_DIM, device=DEVICE) for slot in (28, 29, 31)}
+    x[30] = 50 * torch.randn(1, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    steps = [
+        (torch.tensor(slots, device=DEVICE), torch.cat([x[s] for s in slots]), torch.cat([x[s] for s in slots]))
+        for slots in ([28, 29], [31], [30])
+    ]  # fmt: skip
+    got = _write_steps(dtype, write_kv, steps)
+    want = _write_steps(dtype, write_kv_ref, steps)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    k_cache, _, k_scale, _ = got
+    grown = k_scale[7][:, None]  # [Hkv, 1]
+    assert bool((grown > 2.0**-4).all())  # sized for the 50x token
+    stored = k_cache[7, 3].float() * grown
+    assert bool(((stored - x[31][0]).abs() <= grown).all())  # within one final quantum
+
+
 @pytest.fixture
 def valid_args():
     k_cache, v_cache = _caches(torch.float16)
@@ -138,6 +175,7 @@ def valid_args():
 
 def _bad_cases(a):
     scales = new_kv_scales(NUM_BLOCKS, NUM_KV_HEADS, DEVICE)
+    int8 = dict(k_cache=a["k_cache"].to(torch.int8), v_cache=a["v_cache"].to(torch.int8))
     return {
         "k rank": dict(k=a["k"][0]),
         "v shape": dict(v=a["v"][:2]),
@@ -151,13 +189,9 @@ def _bad_cases(a):
             k_cache=a["k_cache"].to(torch.int8), v_cache=a["v_cache"].to(torch.int8)
         ),
         "scale shape": dict(
-            k_cache=a["k_cache"].to(torch.int8), v_cache=a["v_cache"].to(torch.int8),
-            k_scale=scales[:, :1].contiguous(), v_scale=scales[:, :1].contiguous(),
-        ),  # fmt: skip
-        "scale dtype": dict(
-            k_cache=a["k_cache"].to(torch.int8), v_cache=a["v_cache"].to(torch.int8),
-            k_scale=scales.half(), v_scale=scales.half(),
-        ),  # fmt: skip
+            **int8, k_scale=scales[:, :1].contiguous(), v_scale=scales[:, :1].contiguous()
+        ),
+        "scale dtype": dict(**int8, k_scale=scales.half(), v_scale=scales.half()),
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kernel_cases import (
@@ -69,6 +71,12 @@ def test_head_dims(head_dim):
     assert_close(paged_decode_attention(*args), paged_decode_attention_ref(*args), torch.float16)
 
 
+@pytest.mark.parametrize("block_size", [1, 6])
+def test_unusual_block_sizes(block_size):
+    _, _, out, ref = _run(torch.float16, (4, 2), block_size, 2, None)
+    assert_close(out, ref, torch.float16)
+
+
 @pytest.mark.parametrize("num_splits", [None, 2, 8])
 def test_split_k_with_empty_splits(num_splits):
     # 8 splits of a 70-token context leave some programs without a single token.
@@ -97,7 +105,10 @@ def test_choose_num_splits():
     assert choose_num_splits(batch=4, num_kv_heads=8, max_context=32768, num_sms=132) == 9
 
 
-def test_empty_batch_returns_empty():
+def test_empty_batch_returns_empty_without_launching(monkeypatch):
+    # (importlib: kernels re-exports a function under the module's name.)
+    module = importlib.import_module("kernels.paged_decode_attention")
+    monkeypatch.setattr(module, "_decode_kernel", None)  # a launch would raise TypeError
     kv = make_paged_kv([], 2, HEAD_DIM, 4, torch.float32)
     q = torch.empty(0, 4, HEAD_DIM, device=DEVICE)
     out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, SCALE)
@@ -130,10 +141,14 @@ def _bad_cases(a):
         "q dtype vs cache": dict(q=a["q"].float()),
         "q non-contiguous": dict(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1)),
         "q head dim": dict(q=a["q"][:, :, :8].contiguous()),
-        "heads not a multiple": dict(q=torch.randn(2, 3, HEAD_DIM, dtype=torch.float16, device=DEVICE)),
+        "heads not a multiple": dict(
+            q=torch.randn(2, 3, HEAD_DIM, dtype=torch.float16, device=DEVICE)
+        ),
         "cache rank": dict(k_cache=a["k_cache"][0]),
         "k/v mismatch": dict(v_cache=a["v_cache"][:-1]),
-        "cache non-contiguous": dict(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
+        "cache non-contiguous": dict(
+            k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)
+        ),
         "tables dtype": dict(block_tables=a["block_tables"].float()),
         "tables rows": dict(block_tables=a["block_tables"][:1]),
         "seq_lens length": dict(seq_lens=a["seq_lens"][:1]),

@@ -131,7 +131,9 @@ def test_seeded_request_is_independent_of_its_batch(ckpt: Path) -> None:
         busy.add_request(rid, p, noisy)
     got = run_to_completion(busy, {"seeded": prompt}, params)["seeded"]
     assert got == alone
-    different_seed = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=99, ignore_eos=True)
+    different_seed = SamplingParams(
+        max_tokens=16, temperature=1.0, top_k=50, seed=99, ignore_eos=True
+    )
     assert run_to_completion(tiny_engine(ckpt), {"x": prompt}, different_seed)["x"] != alone
 
 
@@ -154,7 +156,9 @@ def test_waiting_queue_is_bounded(ckpt: Path) -> None:
         ([5], SamplingParams(stop_token_ids=(999,)), "sampling.stop_token_ids"),
     ],
 )
-def test_bad_requests_name_the_field(ckpt: Path, prompt: list[int], params: SamplingParams, field: str) -> None:
+def test_bad_requests_name_the_field(
+    ckpt: Path, prompt: list[int], params: SamplingParams, field: str
+) -> None:
     engine = tiny_engine(ckpt)
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request("x", prompt, params)

@@ -64,7 +64,12 @@ def test_salts_and_seeds_separate_chains() -> None:
     tokens = list(range(16))
     plain = hash_prompt_blocks(tokens, 16)
     assert hash_prompt_blocks(tokens, 16, cache_salt="a") != plain
-    assert hash_prompt_blocks(tokens, 16, cache_salt="a") != hash_prompt_blocks(tokens, 16, cache_salt="b")
+    assert hash_prompt_blocks(tokens, 16, cache_salt="a") != hash_prompt_blocks(
+        tokens, 16, cache_salt="b"
+    )
     assert hash_prompt_blocks(tokens, 16, seed="1") != plain
     # Same tokens, different parents: a block's hash depends on everything before it.
-    assert hash_prompt_blocks(list(range(16, 32)), 16) != hash_prompt_blocks(tokens + list(range(16, 32)), 16)[1:]
+    assert (
+        hash_prompt_blocks(list(range(16, 32)), 16)
+        != hash_prompt_blocks(tokens + list(range(16, 32)), 16)[1:]
+    )

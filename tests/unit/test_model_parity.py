@@ -17,7 +17,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa": ("llama", {}),
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama-mqa": ("llama", dict(num_key_value_heads=1)),
-    "tinyllama-shape": ("llama", dict(num_attention_heads=8, num_key_value_heads=1, hidden_size=128)),
+    "tinyllama-shape": (
+        "llama",
+        dict(num_attention_heads=8, num_key_value_heads=1, hidden_size=128),
+    ),
     "llama-rope-llama3": (
         "llama",
         dict(
@@ -74,7 +77,9 @@ def test_greedy_matches_transformers(family: str, tmp_path: Path) -> None:
     engine = tiny_engine(ckpt, max_num_batched_tokens=40)
     got, got_logits = _greedy_with_logits(engine, prompts, NEW_TOKENS)
 
-    max_diff = max((a - b).abs().max().item() for a, b in zip(got_logits, expected_logits, strict=True))
+    max_diff = max(
+        (a - b).abs().max().item() for a, b in zip(got_logits, expected_logits, strict=True)
+    )
     print(f"{family}: max |logit diff| vs transformers = {max_diff:.3e}")
     assert got == expected
     assert max_diff < 1e-3

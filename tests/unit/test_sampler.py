@@ -16,7 +16,9 @@ from common.errors import InvalidRequestError
 VOCAB = 8
 
 
-def req(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None) -> Request:
+def req(
+    params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None
+) -> Request:
     return Request("r", prompt or [0], params, output_token_ids=output)
 
 

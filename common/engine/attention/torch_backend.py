@@ -63,7 +63,9 @@ class TorchAttentionBackend:
             if window is not None:
                 mask &= k_pos > q_pos - window
             prefill_masks.append(mask)
-        return TorchAttentionMetadata(batch, block_ids, decode_mask, prefill_block_ids, prefill_masks)
+        return TorchAttentionMetadata(
+            batch, block_ids, decode_mask, prefill_block_ids, prefill_masks
+        )
 
     def forward(
         self,

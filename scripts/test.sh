@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up everything the tests need, then runs lint, type checks and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --system
+.venv/bin/ruff check .
+.venv/bin/mypy
+bash scripts/gen_protos.sh --check
+bash scripts/buf_lint.sh
+.venv/bin/pdserve --log-level WARNING convert >/dev/null  # the default model, once
+.venv/bin/python -m pytest -q --timeout 900 "$@"
