@@ -43,3 +43,19 @@ class UnavailableError(PdserveError):
     """No worker (of a role) can take the request now."""
 
     reason = "UNAVAILABLE"
+
+
+class AlreadyExistsError(PdserveError):
+    reason = "ALREADY_EXISTS"
+
+
+class FailedPreconditionError(PdserveError):
+    """The request is valid but does not fit this server's state (e.g. a layout mismatch)."""
+
+    reason = "FAILED_PRECONDITION"
+
+
+class DataLossError(PdserveError):
+    """Bytes arrived corrupted (a checksum mismatch)."""
+
+    reason = "DATA_LOSS"

@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 
-from pdserve.commands import convert, generate
+from pdserve.commands import blockstore, chat, convert, gateway, generate, status, up, worker
 
-COMMANDS = (convert, generate)
+COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,79 @@
+"""The worker registry in Redis: each process heartbeats its address and load under a TTL."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from common.index import keys
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill | decode | blockstore | gateway
+    address: str
+    model: str = ""
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_free: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    heartbeat_unix_ms: int = 0
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict[Any, Any]) -> WorkerInfo:
+        text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in text:
+                continue
+            kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[str(f.type)]
+            values[f.name] = kind(text[f.name])
+        return cls(**values)
+
+
+class WorkerRegistry:
+    def __init__(self, redis: Any, ttl_s: float = 6.0) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def heartbeat(self, info: WorkerInfo) -> None:
+        info.heartbeat_unix_ms = int(time.time() * 1000)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(keys.worker(info.worker_id), mapping=info.to_redis())
+        pipe.pexpire(keys.worker(info.worker_id), int(self.ttl_s * 1000))
+        pipe.sadd(keys.workers(), info.worker_id)
+        await pipe.execute()
+
+    async def deregister(self, worker_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(keys.worker(worker_id))
+        pipe.srem(keys.workers(), worker_id)
+        await pipe.execute()
+
+    async def list(self, role: str | None = None) -> list[WorkerInfo]:
+        ids = sorted(_text(i) for i in await self.redis.smembers(keys.workers()))
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(keys.worker(worker_id))
+        raw = await pipe.execute()
+        alive, dead = [], []
+        for worker_id, entry in zip(ids, raw, strict=True):
+            if entry:
+                alive.append(WorkerInfo.from_redis(entry))
+            else:
+                dead.append(worker_id)
+        if dead:
+            await self.redis.srem(keys.workers(), *dead)
+        return [w for w in alive if role is None or w.role == role]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

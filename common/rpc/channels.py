@@ -1,0 +1,37 @@
+"""Client channels and deadline propagation."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.rpc.options import CHANNEL_OPTIONS
+
+
+def create_channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def remaining_timeout(context: grpc.aio.ServicerContext, default_s: float | None = None) -> float | None:
+    """The caller's time left, to pass downstream as the next call's timeout."""
+    left = context.time_remaining()
+    if left is None:
+        return default_s
+    return max(0.0, left)
+
+
+class ChannelPool:
+    """One channel per target, created on first use and closed together."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = create_channel(target)
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

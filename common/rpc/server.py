@@ -1,0 +1,101 @@
+"""Server factory: every pdserve process serves health, reflection and its own services
+the same way, binds explicitly, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.rpc.options import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """A started grpc.aio server with its health servicer."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer: health.aio.HealthServicer,
+        service_names: list[str],
+    ) -> None:
+        self.grpc = server
+        self.port = port
+        self.health = health_servicer
+        self.service_names = service_names
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Health goes NOT_SERVING first (load balancers stop sending), then in-flight
+        calls get ``grace_s`` seconds to finish before they are cancelled."""
+        await self.set_serving(False)
+        await self.grpc.stop(grace_s)
+
+
+async def create_server(
+    address: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    serving: bool = True,
+) -> Server:
+    """Builds, binds and starts a server; ``address`` may use port 0 (see ``Server.port``).
+
+    Raises OSError when the address cannot be bound (instead of grpc's silent port 0).
+    With ``serving=False`` health reports NOT_SERVING until ``set_serving(True)``.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {address}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot bind {address} (is the port in use?)")
+    await server.start()
+    wrapped = Server(server, port, health_servicer, names)
+    await wrapped.set_serving(serving)
+    return wrapped
+
+
+async def serve_until_signal(server: Server, grace_s: float, on_stop: Callable[[], object] | None = None) -> None:
+    """Runs until SIGTERM/SIGINT, then drains gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.grpc.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("draining (grace %.0fs)", grace_s)
+        await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+    waiter.cancel()
+    stopper.cancel()

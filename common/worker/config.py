@@ -1,0 +1,46 @@
+"""WorkerConfig: what a prefill or decode worker process is told, read once from flags/env."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # prefill | decode
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None  # address others use to reach us; default host:port
+    worker_id: str | None = None
+    model_name: str | None = None  # served name; default: the checkpoint directory's name
+    redis_url: str | None = None
+    blockstore: str | None = None  # block store address, optional
+    lease_ttl_s: float = 30.0
+    heartbeat_s: float = 1.0
+    drain_grace_s: float = 10.0
+    index_ttl_s: int = 600
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.lease_ttl_s <= 0 or self.heartbeat_s <= 0:
+            raise ValueError("lease_ttl_s and heartbeat_s must be positive")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.engine.model).name
+
+    def resolved_worker_id(self, port: int) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{port}-{os.getpid()}"
+
+    def advertised_address(self, port: int) -> str:
+        return self.advertise or f"{self.host}:{port}"

@@ -1,0 +1,190 @@
+"""WorkerRuntime: what prefill and decode workers share around their engine.
+
+It owns the engine thread (EngineLoop), the leases on exported KV, the worker's entry in
+the Redis registry (heartbeat with load figures), its entries in the prefix index
+(BlockStored on compute/import, BlockRemoved on eviction), and the block-store client.
+Redis and the block store are optional and never fail a request: the index is advisory,
+the store is a second source of KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from common.engine.engine import Engine, EngineStats
+from common.engine.engine_loop import EngineLoop
+from common.engine.request import KvImport
+from common.index.prefix_index import PrefixIndex
+from common.index.registry import WorkerInfo, WorkerRegistry
+from common.kv.block_store_client import BlockStoreClient
+from common.kv.hashing import hash_prompt_blocks
+from common.kv.layout import KvLayout
+from common.kv.leases import LeaseTable
+from common.rpc.channels import ChannelPool
+from common.worker.config import WorkerConfig
+from pdserve.common.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.model = config.served_model_name
+        self.loop = EngineLoop(engine, name=f"{config.role}-engine")
+        spec = engine.spec
+        self.layout = KvLayout(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, engine.runner.kv_cache.dtype
+        )
+        self.tier = engine.runner.device.type
+        self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
+        self.channels = ChannelPool()
+        self.redis: Any = None
+        self.index: PrefixIndex | None = None
+        self.registry: WorkerRegistry | None = None
+        self.store: BlockStoreClient | None = None
+        self.worker_id = ""
+        self.address = ""
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def start(self, port: int) -> None:
+        self.worker_id = self.config.resolved_worker_id(port)
+        self.address = self.config.advertised_address(port)
+        self.loop.start()
+        if self.config.redis_url:
+            import redis.asyncio
+
+            self.redis = redis.asyncio.from_url(self.config.redis_url)
+            self.index = PrefixIndex(self.redis, self.model, self.config.index_ttl_s)
+            self.registry = WorkerRegistry(self.redis, ttl_s=max(3.0, 5 * self.config.heartbeat_s))
+            await self.loop.call(lambda e: e.kv.pool.track_evictions())
+            self._tasks.append(asyncio.create_task(self._heartbeat_forever()))
+        if self.config.blockstore:
+            self.store = BlockStoreClient(self.config.blockstore, self.model, self.layout)
+        self._tasks.append(asyncio.create_task(self.leases.run_expiry()))
+        log.info("%s %s serving at %s", self.config.role, self.worker_id, self.address)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in [*self._tasks, *self._background]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.leases.release_all()
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                await self.registry.deregister(self.worker_id)
+        if self.redis is not None:
+            await self.redis.aclose()
+        if self.store is not None:
+            await self.store.close()
+        await self.channels.close()
+        self.loop.stop()
+
+    # -- status -----------------------------------------------------------------------------
+
+    async def stats(self) -> EngineStats:
+        return await self.loop.call(lambda e: e.stats())
+
+    def status_pb(self, stats: EngineStats) -> common_pb2.WorkerStatus:
+        return common_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            role=ROLE_PB[self.config.role],  # type: ignore[arg-type]
+            address=self.address,
+            model=self.model,
+            num_kv_blocks_total=stats.num_kv_blocks_total,
+            num_kv_blocks_free=stats.num_kv_blocks_free,
+            num_running_requests=stats.num_running,
+            num_waiting_requests=stats.num_waiting,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        )
+
+    async def _heartbeat_forever(self) -> None:
+        assert self.registry is not None and self.index is not None
+        while True:
+            try:
+                stats, evicted = await self.loop.call(lambda e: (e.stats(), e.kv.pool.drain_evicted()))
+                await self.registry.heartbeat(
+                    WorkerInfo(
+                        worker_id=self.worker_id,
+                        role=self.config.role,
+                        address=self.address,
+                        model=self.model,
+                        num_kv_blocks_total=stats.num_kv_blocks_total,
+                        num_kv_blocks_free=stats.num_kv_blocks_free,
+                        num_running=stats.num_running,
+                        num_waiting=stats.num_waiting,
+                        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                    )
+                )
+                await self.index.remove(self.worker_id, [int(h) for h in evicted])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("heartbeat to Redis failed: %s", exc)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    # -- KV bookkeeping -------------------------------------------------------------------------
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+        return [
+            int(h)
+            for h in hash_prompt_blocks(
+                token_ids, self.engine.block_size, cache_salt or None, seed=self.engine.config.hash_seed
+            )
+        ]
+
+    def in_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Runs bookkeeping that must not delay or fail a request."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def publish_blocks(self, block_hashes: list[int]) -> None:
+        if self.index is None or not block_hashes:
+            return
+        try:
+            await self.index.publish(self.worker_id, block_hashes, self.tier)
+        except Exception as exc:
+            log.warning("publishing %d blocks to the prefix index failed: %s", len(block_hashes), exc)
+
+    async def store_blocks(self, block_hashes: list[int], data: Any) -> None:
+        """Writes full blocks to the block store (two-phase put; existing ones skipped)."""
+        if self.store is None or not block_hashes:
+            return
+        try:
+            await self.store.put(block_hashes, data[: len(block_hashes)], timeout_s=30.0)
+        except Exception as exc:
+            log.warning("writing %d blocks to the block store failed: %s", len(block_hashes), exc)
+
+    async def import_from_store(
+        self, token_ids: list[int], cache_salt: str | None, timeout_s: float | None
+    ) -> KvImport | None:
+        """Full prompt blocks from the block store, when it holds more than our own cache."""
+        if self.store is None:
+            return None
+        block_size = self.engine.block_size
+        hashes = self.block_hashes(token_ids, cache_salt)[: (len(token_ids) - 1) // block_size]
+        if not hashes:
+            return None
+        try:
+            local = await self.loop.call(lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt))
+            present = await self.store.contains(hashes, timeout_s=timeout_s)
+            if present * block_size <= local:
+                return None
+            data = await self.store.get(hashes[:present], timeout_s=timeout_s)
+        except Exception as exc:
+            log.warning("block store lookup failed, computing instead: %s", exc)
+            return None
+        return KvImport(present * block_size, data)
+
+    async def _release_engine_blocks(self, request_id: str) -> None:
+        await self.loop.call(lambda e: e.release(request_id))

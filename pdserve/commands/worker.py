@@ -1,0 +1,63 @@
+"""``pdserve prefill`` and ``pdserve decode``: serve one engine as a worker until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from common.worker.config import WorkerConfig
+from pdserve.engine_args import add_engine_args, engine_config_from_args
+
+DEFAULT_PORTS = {"prefill": 50052, "decode": 50053}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    for role, text in (
+        ("prefill", "serve a prefill worker (PrefillService + KvTransferService)"),
+        ("decode", "serve a decode worker (DecodeService + KvTransferService)"),
+    ):
+        parser = subparsers.add_parser(role, help=text)
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind; [::] for all")
+        parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="0 = any free port")
+        parser.add_argument("--advertise", default=None, help="host:port others use to reach us")
+        parser.add_argument("--worker-id", default=None)
+        parser.add_argument("--model-name", default=None, help="served model name (dir name)")
+        parser.add_argument(
+            "--redis-url", default=os.environ.get("PDSERVE_REDIS_URL"), help="registry and index"
+        )
+        parser.add_argument(
+            "--blockstore", default=os.environ.get("PDSERVE_BLOCKSTORE"), help="block store address"
+        )
+        parser.add_argument("--lease-ttl-s", type=float, default=30.0, help="KV lease lifetime")
+        parser.add_argument("--drain-grace-s", type=float, default=10.0)
+        add_engine_args(parser)
+        parser.set_defaults(func=run, role=role)
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    from common.models.default_model import resolve_model
+
+    return WorkerConfig(
+        role=args.role,
+        engine=engine_config_from_args(args, resolve_model(args.model)),
+        host=args.host,
+        port=args.port,
+        advertise=args.advertise,
+        worker_id=args.worker_id,
+        model_name=args.model_name,
+        redis_url=args.redis_url,
+        blockstore=args.blockstore,
+        lease_ttl_s=args.lease_ttl_s,
+        drain_grace_s=args.drain_grace_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.role == "prefill":
+        from services.prefill.server import serve
+    else:
+        from services.decode.server import serve  # type: ignore[assignment]
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,170 @@
+"""Starts and stops the processes of a one-machine stack (``pdserve up`` / ``pdserve down``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.models.default_model import cache_dir
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_RUN_DIR") or cache_dir() / "run")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    pid: int
+    address: str
+    log: str
+
+
+@dataclass
+class StackState:
+    children: list[Child] = field(default_factory=list)
+    redis_url: str = ""
+    gateway: str = ""
+    started_unix_s: float = 0.0
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> StackState | None:
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(
+            children=[Child(**c) for c in raw["children"]],
+            redis_url=raw["redis_url"],
+            gateway=raw["gateway"],
+            started_unix_s=raw["started_unix_s"],
+        )
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if pid_alive(c.pid)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as dead.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def spawn(name: str, role: str, argv: list[str], address: str, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # survives the launcher with --detach; not hit by its ^C
+        )
+    return Child(name, role, process.pid, address, str(log_path)), process
+
+
+def start_redis(port: int, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError(
+            "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
+        )
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return spawn("redis", "redis", argv, f"127.0.0.1:{port}", logs)
+
+
+def wait_redis(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server on port {port} did not answer PING in {timeout_s:.0f}s")
+
+
+def wait_serving(address: str, process: subprocess.Popen[bytes] | None, child: Child, timeout_s: float) -> None:
+    """Polls grpc.health.v1 until SERVING; fails fast if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with code {process.returncode}:\n{tail(child.log)}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{child.name} at {address} not SERVING after {timeout_s:.0f}s:\n{tail(child.log)}")
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# Gateway first (no new requests), then workers (drain), then the store and Redis.
+_STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "blockstore": 2, "redis": 3}
+
+
+def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
+    groups: dict[int, list[Child]] = {}
+    for child in children:
+        groups.setdefault(_STOP_ORDER.get(child.role, 1), []).append(child)
+    for _, group in sorted(groups.items()):
+        for child in group:
+            _signal(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(pid_alive(c.pid) for c in group):
+            time.sleep(0.1)
+        for child in group:
+            if pid_alive(child.pid):
+                print(f"{child.name} ignored SIGTERM; killing", file=sys.stderr)
+                _signal(child.pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,1 @@
+"""The decode worker: imports prompt KV and decodes in a continuous batch, streaming tokens."""

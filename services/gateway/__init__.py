@@ -1,0 +1,1 @@
+"""The gateway: the public GatewayService; tokenizes, routes, relays, detokenizes."""

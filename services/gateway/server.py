@@ -1,0 +1,86 @@
+"""Entry point of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import grpc
+import redis.asyncio
+
+from common.index.prefix_index import PrefixIndex
+from common.index.registry import WorkerInfo, WorkerRegistry
+from common.models.spec import load_spec
+from common.rpc.server import Server, create_server, serve_until_signal
+from common.text.tokenizer import Tokenizer
+from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.config import GatewayConfig
+from services.gateway.directory import WorkerDirectory
+from services.gateway.servicer import GatewayServicer
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+
+
+async def start_gateway(config: GatewayConfig) -> tuple[Server, GatewayServicer, Any]:
+    tokenizer = await asyncio.to_thread(Tokenizer, config.model)
+    spec = await asyncio.to_thread(load_spec, config.model)
+    client = redis.asyncio.from_url(config.redis_url)
+    registry = WorkerRegistry(client)
+    directory = WorkerDirectory(registry, config.registry_refresh_s)
+    index = PrefixIndex(client, config.served_model_name)
+    holder: list[GatewayServicer] = []
+
+    def register(server: grpc.aio.Server) -> None:
+        servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "")
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        holder.append(servicer)
+
+    names = [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+    server = await create_server(f"{config.host}:{config.port}", register, names, serving=False)
+    servicer = holder[0]
+    servicer.address = f"{config.host}:{server.port}"
+    servicer.gateway_id = config.worker_id or f"gateway-{socket.gethostname()}-{server.port}-{os.getpid()}"
+    heartbeat = asyncio.create_task(_heartbeat(registry, servicer))
+    await server.set_serving(True)
+    return server, servicer, (client, heartbeat, registry)
+
+
+async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> None:
+    while True:
+        try:
+            await registry.heartbeat(
+                WorkerInfo(
+                    worker_id=servicer.gateway_id,
+                    role="gateway",
+                    address=servicer.address,
+                    model=servicer.model,
+                    num_running=servicer.num_in_flight,
+                )
+            )
+        except Exception as exc:
+            log.warning("gateway heartbeat failed: %s", exc)
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def stop_gateway(servicer: GatewayServicer, resources: Any) -> None:
+    client, heartbeat, registry = resources
+    heartbeat.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await heartbeat
+    with contextlib.suppress(Exception):
+        await registry.deregister(servicer.gateway_id)
+    await servicer.close()
+    await client.aclose()
+
+
+async def serve(config: GatewayConfig) -> None:
+    server, servicer, resources = await start_gateway(config)
+    print(f"gateway {servicer.gateway_id} serving at {servicer.address}", flush=True)
+    await serve_until_signal(
+        server, config.drain_grace_s, on_stop=lambda: stop_gateway(servicer, resources)
+    )

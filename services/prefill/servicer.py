@@ -1,0 +1,93 @@
+"""PrefillService: prefill one prompt, hand back the first token and a KvHandle."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from common.engine.request import FinishReason
+from common.engine.sampling_params import SamplingParams
+from common.errors import InvalidRequestError
+from common.kv.hashing import HASH_SCHEME_VERSION
+from common.rpc.channels import remaining_timeout
+from common.rpc.errors import rpc_method
+from common.worker.pb import finish_reason_pb, logprob_pb
+from common.worker.runtime import WorkerRuntime
+from pdserve.common.v1 import common_pb2
+from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    @rpc_method
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        arrival = time.monotonic()
+        runtime = self.runtime
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "a request_id is required")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", "the prompt is empty")
+        max_len = runtime.engine.max_model_len
+        sampling = SamplingParams.from_pb(request.sampling, max(1, max_len - len(prompt)))
+        salt = request.cache_salt or None
+        kv_import = await runtime.import_from_store(prompt, salt, remaining_timeout(context))
+        imported = kv_import.num_tokens if kv_import is not None else 0
+
+        last = None
+        async for out in runtime.loop.generate(
+            request.request_id, prompt, sampling, cache_salt=salt, prefill_only=True, kv_import=kv_import
+        ):
+            last = out
+        assert last is not None and last.finished, "prefill stream ended without a result"
+        done = time.monotonic()
+        scheduled = last.first_scheduled_time or arrival
+        response = prefill_pb2.PrefillResponse(
+            first_token_id=last.new_token_ids[0],
+            cached_tokens=last.num_cached_tokens + imported,
+            computed_tokens=len(prompt) - last.num_cached_tokens - imported,
+            queue_ms=(scheduled - arrival) * 1000,
+            prefill_ms=(done - scheduled) * 1000,
+            finish_reason=finish_reason_pb(last.finish_reason),
+        )
+        if last.new_logprobs and last.new_logprobs[0] is not None:
+            response.first_logprob.CopyFrom(logprob_pb(last.new_logprobs[0]))
+        if last.finish_reason is FinishReason.PREFILLED:
+            response.kv_handle.CopyFrom(await self._lease(request.request_id, prompt, salt))
+        return response
+
+    async def _lease(self, request_id: str, prompt: list[int], salt: str | None) -> common_pb2.KvHandle:
+        """Exports the held KV under a lease; on any failure the held blocks are freed."""
+        runtime = self.runtime
+        try:
+            export = await runtime.loop.call(lambda e: e.export_kv(request_id))
+            hashes = [int(h) for h in export.block_hashes]
+            lease = runtime.leases.create(request_id, export.num_tokens, hashes, export.data)
+        except BaseException:
+            runtime.loop.submit(lambda e: e.release(request_id))
+            raise
+        runtime.in_background(runtime.publish_blocks(hashes))
+        runtime.in_background(runtime.store_blocks(hashes, export.data))
+        return common_pb2.KvHandle(
+            request_id=request_id,
+            hash_scheme_version=HASH_SCHEME_VERSION,
+            block_hashes=hashes,
+            num_tokens=export.num_tokens,
+            layout=runtime.layout.to_pb(),
+            producer_address=runtime.address,
+            lease_id=lease.lease_id,
+            lease_expiry_unix_ms=lease.expiry_unix_ms,
+            model=runtime.model,
+        )
+
+    @rpc_method
+    async def GetStatus(
+        self, request: prefill_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.GetStatusResponse:
+        stats = await self.runtime.stats()
+        return prefill_pb2.GetStatusResponse(status=self.runtime.status_pb(stats))
