@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.errors import InvalidRequestError
 
@@ -56,6 +57,47 @@ class SamplingParams:
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequestError("sampling.seed", "must fit in an unsigned 64-bit integer")
+
+    @classmethod
+    def from_pb(cls, pb: Any, default_max_tokens: int) -> SamplingParams:
+        """From ``pdserve.common.v1.SamplingParams``: unset optionals take the API defaults
+        (temperature 1.0, top_p 1.0, repetition_penalty 1.0); max_tokens 0 means
+        ``default_max_tokens`` (what is left of the context)."""
+        return cls(
+            max_tokens=pb.max_tokens or default_max_tokens,
+            temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+            top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+            top_k=pb.top_k,
+            min_p=pb.min_p,
+            seed=pb.seed if pb.HasField("seed") else None,
+            repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+            presence_penalty=pb.presence_penalty,
+            frequency_penalty=pb.frequency_penalty,
+            stop=tuple(pb.stop),
+            stop_token_ids=tuple(pb.stop_token_ids),
+            ignore_eos=pb.ignore_eos,
+            logprobs=pb.logprobs,
+            top_logprobs=pb.top_logprobs,
+        )
+
+    def to_pb(self, pb: Any) -> Any:
+        """Fills a ``pdserve.common.v1.SamplingParams`` (explicit values, no defaults)."""
+        pb.max_tokens = self.max_tokens
+        pb.temperature = self.temperature
+        pb.top_p = self.top_p
+        pb.top_k = self.top_k
+        pb.min_p = self.min_p
+        if self.seed is not None:
+            pb.seed = self.seed
+        pb.repetition_penalty = self.repetition_penalty
+        pb.presence_penalty = self.presence_penalty
+        pb.frequency_penalty = self.frequency_penalty
+        pb.stop[:] = list(self.stop)
+        pb.stop_token_ids[:] = list(self.stop_token_ids)
+        pb.ignore_eos = self.ignore_eos
+        pb.logprobs = self.logprobs
+        pb.top_logprobs = self.top_logprobs
+        return pb
 
     @property
     def greedy(self) -> bool:

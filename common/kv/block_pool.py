@@ -34,6 +34,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # Hashes evicted since the last drain, kept only when someone mirrors the cache
+        # elsewhere (a worker publishing BlockRemoved to the prefix index).
+        self.evicted: list[BlockHash] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -76,6 +79,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.evicted is not None:
+                    self.evicted.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_count = 1
@@ -98,6 +103,14 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+
+    def track_evictions(self) -> None:
+        if self.evicted is None:
+            self.evicted = []
+
+    def drain_evicted(self) -> list[BlockHash]:
+        drained, self.evicted = (self.evicted or []), ([] if self.evicted is not None else None)
+        return drained
 
     def evict_all_cached(self) -> int:
         """Forgets every unreferenced cached block (for tests and cache resets)."""

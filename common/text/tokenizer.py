@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.errors import InvalidRequestError
+from common.errors import FailedPreconditionError, InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -41,8 +41,8 @@ class Tokenizer:
                     f"unknown role {message.get('role')!r}; use one of {', '.join(CHAT_ROLES)}",
                 )
         if not self.has_chat_template:
-            raise InvalidRequestError(
-                "messages", "this model has no chat template; send raw_prompt or token_ids"
+            raise FailedPreconditionError(
+                "this model has no chat template; send raw_prompt or token_ids"
             )
         result: Any = self.hf.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
