@@ -60,7 +60,7 @@ class GatewayClient:
             request.token_ids.ids.extend(token_ids)
         if sampling is not None:
             sampling.to_pb(request.sampling)
-        return self.stub.Generate(request, timeout=timeout_s)  # type: ignore[no-any-return]
+        return self.stub.Generate(request, timeout=timeout_s)
 
     async def complete(self, **kwargs: object) -> RemoteCompletion:
         result = RemoteCompletion()

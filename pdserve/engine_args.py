@@ -36,6 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "triton"],
         help="auto = triton on CUDA, torch elsewhere (env PDSERVE_ATTENTION_BACKEND)",
     )
+    group.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+        help="KV cache element type; auto = the model dtype, int8 / fp8 (e4m3) store codes "
+        "with a scale per block and kv head (env PDSERVE_KV_DTYPE)",
+    )
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
 
 
@@ -52,5 +59,6 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
+        kv_dtype=args.kv_dtype,
         enable_prefix_caching=False if args.no_prefix_caching else None,
     )

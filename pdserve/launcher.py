@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,7 +81,9 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def spawn(name: str, role: str, argv: list[str], address: str, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:
+def spawn(
+    name: str, role: str, argv: list[str], address: str, logs: Path
+) -> tuple[Child, subprocess.Popen[bytes]]:
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name}.log"
     with open(log_path, "ab") as log_file:
@@ -118,14 +121,18 @@ def wait_redis(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"redis-server on port {port} did not answer PING in {timeout_s:.0f}s")
 
 
-def wait_serving(address: str, process: subprocess.Popen[bytes] | None, child: Child, timeout_s: float) -> None:
+def wait_serving(
+    address: str, process: subprocess.Popen[bytes] | None, child: Child, timeout_s: float
+) -> None:
     """Polls grpc.health.v1 until SERVING; fails fast if the process exits."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {process.returncode}:\n{tail(child.log)}")
+                raise RuntimeError(
+                    f"{child.name} exited with code {process.returncode}:\n{tail(child.log)}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -133,7 +140,9 @@ def wait_serving(address: str, process: subprocess.Popen[bytes] | None, child: C
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise TimeoutError(f"{child.name} at {address} not SERVING after {timeout_s:.0f}s:\n{tail(child.log)}")
+    raise TimeoutError(
+        f"{child.name} at {address} not SERVING after {timeout_s:.0f}s:\n{tail(child.log)}"
+    )
 
 
 def tail(path: str, lines: int = 20) -> str:
@@ -164,7 +173,5 @@ def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -27,12 +27,19 @@ class WorkerInfo:
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> WorkerInfo:
-        text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        text = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in text:
                 continue
-            kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[str(f.type)]
+            kind = (
+                f.type
+                if isinstance(f.type, type)
+                else {"int": int, "float": float, "str": str}[str(f.type)]
+            )
             values[f.name] = kind(text[f.name])
         return cls(**values)
 

@@ -69,7 +69,9 @@ class KvLayout:
 
     def check_same(self, other: KvLayout, what: str) -> None:
         if other != self:
-            raise FailedPreconditionError(f"{what}: KV layout {other} differs from this worker's {self}")
+            raise FailedPreconditionError(
+                f"{what}: KV layout {other} differs from this worker's {self}"
+            )
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -148,6 +150,12 @@ class BlockAssembler:
     def tensor(self) -> torch.Tensor:
         """[n, L, 2, S, Hkv, D] view over the received bytes (no copy)."""
         if not self.done:
-            raise DataLossError(f"KV stream ended after {self.num_complete} of {self.num_blocks} blocks")
-        flat = torch.frombuffer(self.buffer, dtype=self.layout.dtype) if self.buffer else torch.empty(0, dtype=self.layout.dtype)
+            raise DataLossError(
+                f"KV stream ended after {self.num_complete} of {self.num_blocks} blocks"
+            )
+        flat = (
+            torch.frombuffer(self.buffer, dtype=self.layout.dtype)
+            if self.buffer
+            else torch.empty(0, dtype=self.layout.dtype)
+        )
         return flat.view(self.num_blocks, *self.layout.block_shape)

@@ -32,7 +32,9 @@ async def pull_kv(
     num_blocks = -(-handle.num_tokens // layout.block_size)
     assembler = BlockAssembler(layout, num_blocks)
     stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
-    request = kv_transfer_pb2.PullBlocksRequest(lease_id=handle.lease_id, request_id=handle.request_id)
+    request = kv_transfer_pb2.PullBlocksRequest(
+        lease_id=handle.lease_id, request_id=handle.request_id
+    )
     try:
         async for message in stub.PullBlocks(request, timeout=timeout_s):
             if message.HasField("layout"):

@@ -38,7 +38,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
                 "start_block_index", f"{start} is past the last block ({num_blocks - 1})"
             )
         first = True
-        for chunk in block_chunks(lease.data[start:], lease.block_hashes[start:], max_chunk, first_index=start):
+        for chunk in block_chunks(
+            lease.data[start:], lease.block_hashes[start:], max_chunk, first_index=start
+        ):
             message = kv_transfer_pb2.PullBlocksResponse(chunk=chunk)
             if first:
                 message.layout.CopyFrom(self.layout.to_pb())
@@ -51,4 +53,6 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
     ) -> kv_transfer_pb2.ReleaseLeaseResponse:
         if not request.lease_id:
             raise InvalidRequestError("lease_id", "lease_id is required")
-        return kv_transfer_pb2.ReleaseLeaseResponse(released=await self.leases.release(request.lease_id))
+        return kv_transfer_pb2.ReleaseLeaseResponse(
+            released=await self.leases.release(request.lease_id)
+        )

@@ -11,7 +11,9 @@ def create_channel(target: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
-def remaining_timeout(context: grpc.aio.ServicerContext, default_s: float | None = None) -> float | None:
+def remaining_timeout(
+    context: grpc.aio.ServicerContext, default_s: float | None = None
+) -> float | None:
     """The caller's time left, to pass downstream as the next call's timeout."""
     left = context.time_remaining()
     if left is None:

@@ -7,6 +7,7 @@ Every status carries a ``google.rpc.ErrorInfo`` with a stable ``reason`` (domain
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -54,7 +55,9 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         details.append(
             error_details_pb2.BadRequest(
                 field_violations=[
-                    error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=message)
+                    error_details_pb2.BadRequest.FieldViolation(
+                        field=exc.field, description=message
+                    )
                 ]
             )
         )
@@ -73,7 +76,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 def reason_of(error: grpc.RpcError) -> str | None:
     """The ErrorInfo.reason a pdserve server attached, if any."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    status = rpc_status.from_call(error)
     if status is None:
         return None
     for detail in status.details:
@@ -84,7 +87,9 @@ def reason_of(error: grpc.RpcError) -> str | None:
     return None
 
 
-def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> errors.PdserveError | grpc.aio.AioRpcError:
+def from_rpc_error(
+    error: grpc.aio.AioRpcError, what: str
+) -> errors.PdserveError | grpc.aio.AioRpcError:
     """Turns a downstream status back into our error type, keeping its message."""
     code = error.code()
     message = f"{what}: {error.details()}"
@@ -102,7 +107,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> errors.PdserveErro
 
 
 def _invalid(error: grpc.aio.AioRpcError, message: str) -> errors.InvalidRequestError:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    status = rpc_status.from_call(error)
     field = "request"
     if status is not None:
         for detail in status.details:
@@ -125,10 +130,14 @@ def rpc_method(method: F) -> F:
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
-        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
             try:
-                async for item in method(self, request, context):
-                    yield item
+                # aclosing: a cancelled call runs the method's cleanup now, not at GC time.
+                async with contextlib.aclosing(method(self, request, context)) as items:
+                    async for item in items:
+                        yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:
@@ -155,4 +164,3 @@ def _log(method: Callable[..., Any], exc: Exception) -> None:
         log.exception("%s failed", method.__qualname__)
     else:
         log.info("%s: %s: %s", method.__qualname__, type(exc).__name__, exc)
-

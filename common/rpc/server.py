@@ -66,7 +66,11 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     try:
@@ -81,7 +85,9 @@ async def create_server(
     return wrapped
 
 
-async def serve_until_signal(server: Server, grace_s: float, on_stop: Callable[[], object] | None = None) -> None:
+async def serve_until_signal(
+    server: Server, grace_s: float, on_stop: Callable[[], object] | None = None
+) -> None:
     """Runs until SIGTERM/SIGINT, then drains gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -41,7 +41,11 @@ class WorkerRuntime:
         self.loop = EngineLoop(engine, name=f"{config.role}-engine")
         spec = engine.spec
         self.layout = KvLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size, engine.runner.kv_cache.dtype
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            engine.block_size,
+            engine.runner.kv_cache.dtype,
         )
         self.tier = engine.runner.device.type
         self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
@@ -97,7 +101,7 @@ class WorkerRuntime:
     def status_pb(self, stats: EngineStats) -> common_pb2.WorkerStatus:
         return common_pb2.WorkerStatus(
             worker_id=self.worker_id,
-            role=ROLE_PB[self.config.role],  # type: ignore[arg-type]
+            role=ROLE_PB[self.config.role],
             address=self.address,
             model=self.model,
             num_kv_blocks_total=stats.num_kv_blocks_total,
@@ -111,7 +115,9 @@ class WorkerRuntime:
         assert self.registry is not None and self.index is not None
         while True:
             try:
-                stats, evicted = await self.loop.call(lambda e: (e.stats(), e.kv.pool.drain_evicted()))
+                stats, evicted = await self.loop.call(
+                    lambda e: (e.stats(), e.kv.pool.drain_evicted())
+                )
                 await self.registry.heartbeat(
                     WorkerInfo(
                         worker_id=self.worker_id,
@@ -138,7 +144,10 @@ class WorkerRuntime:
         return [
             int(h)
             for h in hash_prompt_blocks(
-                token_ids, self.engine.block_size, cache_salt or None, seed=self.engine.config.hash_seed
+                token_ids,
+                self.engine.block_size,
+                cache_salt or None,
+                seed=self.engine.config.hash_seed,
             )
         ]
 
@@ -154,7 +163,9 @@ class WorkerRuntime:
         try:
             await self.index.publish(self.worker_id, block_hashes, self.tier)
         except Exception as exc:
-            log.warning("publishing %d blocks to the prefix index failed: %s", len(block_hashes), exc)
+            log.warning(
+                "publishing %d blocks to the prefix index failed: %s", len(block_hashes), exc
+            )
 
     async def store_blocks(self, block_hashes: list[int], data: Any) -> None:
         """Writes full blocks to the block store (two-phase put; existing ones skipped)."""
@@ -176,7 +187,9 @@ class WorkerRuntime:
         if not hashes:
             return None
         try:
-            local = await self.loop.call(lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt))
+            local = await self.loop.call(
+                lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
+            )
             present = await self.store.contains(hashes, timeout_s=timeout_s)
             if present * block_size <= local:
                 return None

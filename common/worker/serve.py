@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 AddServicers = Callable[[grpc.aio.Server, WorkerRuntime], list[str]]
 
 
-async def start_worker(config: WorkerConfig, add_servicers: AddServicers) -> tuple[Server, WorkerRuntime]:
+async def start_worker(
+    config: WorkerConfig, add_servicers: AddServicers
+) -> tuple[Server, WorkerRuntime]:
     """Loads the engine, binds, starts the runtime, then reports SERVING."""
     engine = await asyncio.to_thread(Engine, config.engine)
     runtime = WorkerRuntime(config, engine)

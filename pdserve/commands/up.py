@@ -128,7 +128,10 @@ def run_up(args: argparse.Namespace) -> int:
         state_path.unlink(missing_ok=True)
         return 1
 
-    print(f"pdserve stack up: gateway {state.gateway}, redis {state.redis_url}, logs {logs}", flush=True)
+    print(
+        f"pdserve stack up: gateway {state.gateway}, redis {state.redis_url}, logs {logs}",
+        flush=True,
+    )
     if args.detach:
         return 0
     return _foreground(state, state_path)
@@ -147,7 +150,9 @@ def _foreground(state: StackState, state_path: Path) -> int:
     while not stopping:
         dead = [c for c in state.children if c not in state.alive()]
         if dead:
-            print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", file=sys.stderr)
+            print(
+                f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", file=sys.stderr
+            )
             break
         time.sleep(0.5)
     stop_children(state.children)

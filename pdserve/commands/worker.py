@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         parser = subparsers.add_parser(role, help=text)
         parser.add_argument("--host", default="127.0.0.1", help="address to bind; [::] for all")
-        parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="0 = any free port")
+        parser.add_argument(
+            "--port", type=int, default=DEFAULT_PORTS[role], help="0 = any free port"
+        )
         parser.add_argument("--advertise", default=None, help="host:port others use to reach us")
         parser.add_argument("--worker-id", default=None)
         parser.add_argument("--model-name", default=None, help="served model name (dir name)")
@@ -58,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "prefill":
         from services.prefill.server import serve
     else:
-        from services.decode.server import serve  # type: ignore[assignment]
+        from services.decode.server import serve
     asyncio.run(serve(config))
     return 0

@@ -57,7 +57,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         kv_import: KvImport | None = None
         num_bytes, transfer_ms = 0, 0.0
         if source == "kv_handle":
-            kv_import, num_bytes, transfer_ms = await self._fetch(request.kv_handle, prompt, generated, timeout)
+            kv_import, num_bytes, transfer_ms = await self._fetch(
+                request.kv_handle, prompt, generated, timeout
+            )
         else:
             kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
         imported = kv_import.num_tokens if kv_import is not None else 0
@@ -88,7 +90,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 message.kv_transfer_bytes = num_bytes
                 message.kv_transfer_ms = transfer_ms
                 scheduled = out.first_scheduled_time or admitted
-                message.queue_ms = max(0.0, (scheduled - admitted) * 1000 + (admitted - arrival) * 1000 - transfer_ms)
+                message.queue_ms = max(
+                    0.0, (scheduled - admitted) * 1000 + (admitted - arrival) * 1000 - transfer_ms
+                )
             yield message
 
     async def _fetch(
@@ -116,10 +120,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             pulled = await pull_kv(channel, handle, runtime.layout, timeout)
         except (UnavailableError, NotFoundError, DataLossError) as exc:
-            log.info("request %s: producer pull failed (%s); trying the block store", handle.request_id, exc)
+            log.info(
+                "request %s: producer pull failed (%s); trying the block store",
+                handle.request_id,
+                exc,
+            )
             start = time.perf_counter()
             kv = await self._from_store(handle, timeout)
-            return kv, kv.data.numel() * kv.data.element_size(), (time.perf_counter() - start) * 1000
+            return (
+                kv,
+                kv.data.numel() * kv.data.element_size(),
+                (time.perf_counter() - start) * 1000,
+            )
         finally:
             runtime.in_background(release_lease(channel, handle.lease_id))
         return KvImport(handle.num_tokens, pulled.data), pulled.num_bytes, pulled.elapsed_ms
@@ -134,7 +146,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         present = await store.contains(hashes, timeout_s=timeout)
         if present == 0:
-            raise NotFoundError(f"the block store holds none of request {handle.request_id}'s blocks")
+            raise NotFoundError(
+                f"the block store holds none of request {handle.request_id}'s blocks"
+            )
         data = await store.get(hashes[:present], timeout_s=timeout)
         # The tail (a partial block, or blocks the store lacks) is recomputed locally.
         return KvImport(present * self.runtime.engine.block_size, data)

@@ -21,7 +21,9 @@ class WorkerDirectory:
             try:
                 self._workers = await self.registry.list()
             except Exception as exc:
-                raise UnavailableError(f"the worker registry (Redis) cannot be read: {exc}") from exc
+                raise UnavailableError(
+                    f"the worker registry (Redis) cannot be read: {exc}"
+                ) from exc
             self._read_at = now
         return self._workers
 

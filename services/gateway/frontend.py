@@ -27,7 +27,9 @@ def prompt_token_ids(
     if field == "prompt":
         if not request.prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        ids = tokenizer.encode_chat([{"role": "user", "content": request.prompt}], add_generation_prompt)
+        ids = tokenizer.encode_chat(
+            [{"role": "user", "content": request.prompt}], add_generation_prompt
+        )
     elif field == "messages":
         ids = tokenizer.encode_chat(messages_from_pb(request.messages), add_generation_prompt)
     elif field == "raw_prompt":

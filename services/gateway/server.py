@@ -44,7 +44,9 @@ async def start_gateway(config: GatewayConfig) -> tuple[Server, GatewayServicer,
     server = await create_server(f"{config.host}:{config.port}", register, names, serving=False)
     servicer = holder[0]
     servicer.address = f"{config.host}:{server.port}"
-    servicer.gateway_id = config.worker_id or f"gateway-{socket.gethostname()}-{server.port}-{os.getpid()}"
+    servicer.gateway_id = (
+        config.worker_id or f"gateway-{socket.gethostname()}-{server.port}-{os.getpid()}"
+    )
     heartbeat = asyncio.create_task(_heartbeat(registry, servicer))
     await server.set_serving(True)
     return server, servicer, (client, heartbeat, registry)

@@ -97,7 +97,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.tokenizer = tokenizer
         self.spec = spec
         self.model = config.served_model_name
-        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
+        )
         self.directory = directory
         self.index = index
         self.router = Router(config.block_size, config.local_prefill_tokens, config.overlap_weight)
@@ -109,7 +111,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
-            raise NotFoundError(f"model {model!r} is not served here; this cluster serves {self.model!r}")
+            raise NotFoundError(
+                f"model {model!r} is not served here; this cluster serves {self.model!r}"
+            )
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -133,10 +137,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling = SamplingParams.from_pb(request.sampling, self.max_model_len - len(prompt))
         sampling.check_vocab(self.spec.vocab_size)
         if self.num_in_flight >= self.config.max_in_flight:
-            raise QueueFullError(f"the gateway has {self.num_in_flight} requests in flight; retry later")
+            raise QueueFullError(
+                f"the gateway has {self.num_in_flight} requests in flight; retry later"
+            )
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         salt = request.cache_salt or None
-        relay = _Relay(request_id, prompt, IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop))
+        relay = _Relay(
+            request_id, prompt, IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
+        )
         self.num_in_flight += 1
         try:
             route = await self._route(request_id, prompt, salt)
@@ -146,7 +154,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             self.num_in_flight -= 1
 
     async def _route(self, request_id: str, prompt: list[int], salt: str | None) -> Route:
-        hashes = hash_prompt_blocks(prompt, self.config.block_size, salt, seed=self.config.hash_seed)
+        hashes = hash_prompt_blocks(
+            prompt, self.config.block_size, salt, seed=self.config.hash_seed
+        )
         try:
             locations = await self.index.lookup([int(h) for h in hashes])
         except Exception as exc:  # the index is advisory: route without it
@@ -258,7 +268,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _release_later(self, handle: common_pb2.KvHandle) -> None:
         """Hands a lease back when no decode will pull it (cancellation, early stop)."""
-        task = asyncio.create_task(release_lease(self.channels.get(handle.producer_address), handle.lease_id))
+        task = asyncio.create_task(
+            release_lease(self.channels.get(handle.producer_address), handle.lease_id)
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -288,14 +300,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         _, ids = prompt_token_ids(
             request, self.tokenizer, self.spec.vocab_size, request.add_generation_prompt
         )
-        return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+        return gateway_pb2.TokenizeResponse(
+            token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids)
+        )
 
     @rpc_method
     async def GetClusterStatus(
         self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetClusterStatusResponse:
         workers = await self.directory.registry.list()
-        statuses = await cluster_status(workers, self.channels, self.gateway_id, self.address, self.model)
+        statuses = await cluster_status(
+            workers, self.channels, self.gateway_id, self.address, self.model
+        )
         return gateway_pb2.GetClusterStatusResponse(workers=statuses)
 
     async def close(self) -> None:

@@ -26,7 +26,7 @@ _TIMEOUT_S = 2.0
 def _from_registry(info: WorkerInfo) -> common_pb2.WorkerStatus:
     return common_pb2.WorkerStatus(
         worker_id=info.worker_id,
-        role=ROLES.get(info.role, common_pb2.WORKER_ROLE_UNSPECIFIED),  # type: ignore[arg-type]
+        role=ROLES.get(info.role, common_pb2.WORKER_ROLE_UNSPECIFIED),
         address=info.address,
         model=info.model,
         num_kv_blocks_total=info.num_kv_blocks_total,

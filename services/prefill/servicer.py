@@ -41,7 +41,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
         last = None
         async for out in runtime.loop.generate(
-            request.request_id, prompt, sampling, cache_salt=salt, prefill_only=True, kv_import=kv_import
+            request.request_id,
+            prompt,
+            sampling,
+            cache_salt=salt,
+            prefill_only=True,
+            kv_import=kv_import,
         ):
             last = out
         assert last is not None and last.finished, "prefill stream ended without a result"
@@ -61,7 +66,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             response.kv_handle.CopyFrom(await self._lease(request.request_id, prompt, salt))
         return response
 
-    async def _lease(self, request_id: str, prompt: list[int], salt: str | None) -> common_pb2.KvHandle:
+    async def _lease(
+        self, request_id: str, prompt: list[int], salt: str | None
+    ) -> common_pb2.KvHandle:
         """Exports the held KV under a lease; on any failure the held blocks are freed."""
         runtime = self.runtime
         try:

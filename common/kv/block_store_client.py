@@ -1,0 +1,202 @@
+"""BlockStoreClient: put, get and look up full KV blocks in the block store.
+
+# n = blocks, L = layers, S = block_size tokens, Hkv = KV heads, D = head dim
+# a blocks tensor is [n, L, 2, S, Hkv, D] in the client's layout dtype
+
+Every call takes ``timeout_s``, the caller's remaining budget for the whole operation (a put
+is three RPCs); each RPC gets what is left of it. Failures raise our errors
+(``common.errors``) via ``from_rpc_error``; statuses without one (DEADLINE_EXCEEDED,
+CANCELLED, INTERNAL) raise ``grpc.aio.AioRpcError``. One client serves many concurrent calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import NoReturn, TypeVar
+
+import grpc
+import torch
+
+from common.errors import DataLossError, InvalidRequestError, PdserveError
+from common.kv.hashing import HASH_SCHEME_VERSION
+from common.kv.layout import BlockAssembler, KvLayout, block_chunks
+from common.rpc.channels import create_channel
+from common.rpc.errors import from_rpc_error
+from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
+
+ABORT_TIMEOUT_S = 2.0
+
+T = TypeVar("T")
+
+
+class BlockStoreClient:
+    def __init__(
+        self,
+        target: str,
+        model: str,
+        layout: KvLayout,
+        hash_scheme_version: int = HASH_SCHEME_VERSION,
+    ) -> None:
+        self.target = target
+        self.model = model
+        self.layout = layout
+        self.hash_scheme_version = hash_scheme_version
+        self._channel = create_channel(target)
+        self._stub = block_store_pb2_grpc.BlockStoreServiceStub(self._channel)
+
+    async def put(
+        self, block_hashes: Sequence[int], blocks: torch.Tensor, timeout_s: float | None = None
+    ) -> int:
+        """Writes the blocks the store lacks; returns how many this call made visible.
+
+        ``blocks`` is [n, L, 2, S, Hkv, D] with n = len(block_hashes), on any device. On any
+        failure after the put was opened the put is aborted (else it expires in the store).
+        """
+        self._check_blocks(block_hashes, blocks)
+        if not block_hashes:
+            return 0
+        deadline = _Deadline(timeout_s)
+        begin = await self._call(
+            "BeginPut",
+            self._stub.BeginPut(
+                block_store_pb2.BeginPutRequest(
+                    block_hashes=list(block_hashes),
+                    layout=self.layout.to_pb(),
+                    model=self.model,
+                    hash_scheme_version=self.hash_scheme_version,
+                ),
+                timeout=deadline.left(),
+            ),
+        )
+        if not begin.put_id:
+            return 0
+        try:
+            indexes = _first_indexes(block_hashes, begin.missing_block_hashes)
+            blocks = blocks.detach().to("cpu")
+            await self._call(
+                "PutBlocks",
+                self._stub.PutBlocks(
+                    _put_requests(begin.put_id, blocks, block_hashes, indexes),
+                    timeout=deadline.left(),
+                ),
+            )
+            commit = await self._call(
+                "CommitPut",
+                self._stub.CommitPut(
+                    block_store_pb2.CommitPutRequest(put_id=begin.put_id), timeout=deadline.left()
+                ),
+            )
+        except BaseException:
+            await self._abort(begin.put_id)
+            raise
+        return int(commit.num_blocks_committed)
+
+    async def get(
+        self, block_hashes: Sequence[int], timeout_s: float | None = None
+    ) -> torch.Tensor:
+        """The blocks, bit-exact, as a [n, L, 2, S, Hkv, D] CPU tensor.
+
+        Raises NotFoundError when any block is missing, DataLossError on a corrupt block and
+        FailedPreconditionError when the store holds this model in another layout.
+        """
+        if not block_hashes:
+            return torch.empty(0, *self.layout.block_shape, dtype=self.layout.dtype)
+        assembler = BlockAssembler(self.layout, len(block_hashes))
+        call = self._stub.GetBlocks(
+            block_store_pb2.GetBlocksRequest(
+                block_hashes=list(block_hashes),
+                model=self.model,
+                hash_scheme_version=self.hash_scheme_version,
+            ),
+            timeout=timeout_s,
+        )
+        try:
+            async for response in call:
+                if response.HasField("layout"):
+                    self.layout.check_same(KvLayout.from_pb(response.layout), "block store")
+                assembler.add(response.chunk)
+        except grpc.aio.AioRpcError as exc:
+            _raise_translated(exc, "block store GetBlocks")
+        except PdserveError:
+            call.cancel()
+            raise
+        if assembler.hashes != list(block_hashes):
+            raise DataLossError("block store GetBlocks: the blocks came with other hashes")
+        return assembler.tensor()
+
+    async def contains(self, block_hashes: Sequence[int], timeout_s: float | None = None) -> int:
+        """How many leading blocks of ``block_hashes`` the store holds."""
+        if not block_hashes:
+            return 0
+        response = await self._call(
+            "ContainsBlocks",
+            self._stub.ContainsBlocks(
+                block_store_pb2.ContainsBlocksRequest(
+                    block_hashes=list(block_hashes),
+                    model=self.model,
+                    hash_scheme_version=self.hash_scheme_version,
+                ),
+                timeout=timeout_s,
+            ),
+        )
+        return int(response.num_prefix_present)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _check_blocks(self, block_hashes: Sequence[int], blocks: torch.Tensor) -> None:
+        expected = (len(block_hashes), *self.layout.block_shape)
+        if tuple(blocks.shape) != expected:
+            raise InvalidRequestError("blocks", f"shape {tuple(blocks.shape)}, expected {expected}")
+        if blocks.dtype != self.layout.dtype:
+            raise InvalidRequestError("blocks", f"dtype {blocks.dtype}, layout {self.layout.dtype}")
+
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            _raise_translated(exc, f"block store {what}")
+
+    async def _abort(self, put_id: str) -> None:
+        """Best effort: the store also expires puts nobody finishes."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await self._stub.AbortPut(
+                block_store_pb2.AbortPutRequest(put_id=put_id), timeout=ABORT_TIMEOUT_S
+            )
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float | None) -> None:
+        self._at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left(self) -> float | None:
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+
+def _first_indexes(block_hashes: Sequence[int], missing: Sequence[int]) -> list[int]:
+    """Position of each missing hash in the put (its first occurrence), ascending."""
+    first: dict[int, int] = {}
+    for index, block_hash in enumerate(block_hashes):
+        first.setdefault(block_hash, index)
+    return sorted(first[h] for h in missing)
+
+
+async def _put_requests(
+    put_id: str, blocks: torch.Tensor, block_hashes: Sequence[int], indexes: list[int]
+) -> AsyncIterator[block_store_pb2.PutBlocksRequest]:
+    for index in indexes:
+        # One block at a time, so a large put never holds a second copy of all its bytes.
+        for chunk in block_chunks(
+            blocks[index : index + 1], [block_hashes[index]], first_index=index
+        ):
+            yield block_store_pb2.PutBlocksRequest(put_id=put_id, chunk=chunk)
+
+
+def _raise_translated(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:
+    error = from_rpc_error(exc, what)
+    if error is exc:
+        raise exc
+    raise error from exc

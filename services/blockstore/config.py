@@ -1,0 +1,64 @@
+"""BlockStoreConfig: what a block store process is told, read once from flags and environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import psutil
+
+from common.engine.config import parse_memory_budget
+
+DEFAULT_PORT = 50060
+
+
+@dataclass(frozen=True)
+class BlockStoreConfig:
+    capacity_bytes: int
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    advertise: str | None = None  # address others use to reach us; default host:port
+    worker_id: str | None = None
+    redis_url: str | None = None  # None: no prefix index, no registry
+    put_expiry_s: float = 30.0  # an open put neither committed nor aborted by then is aborted
+    heartbeat_s: float = 1.0
+    index_ttl_s: int = 600  # TTL of the store's prefix-index entries; refreshed every ttl / 2
+    drain_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 1:
+            raise ValueError(f"capacity must be at least 1 byte, got {self.capacity_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("put_expiry_s", "heartbeat_s", "drain_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.index_ttl_s < 2:
+            raise ValueError(f"index_ttl_s must be at least 2, got {self.index_ttl_s}")
+
+    @classmethod
+    def from_env(cls, capacity: str | None = None, **overrides: object) -> BlockStoreConfig:
+        """Flags win over ``PDSERVE_*`` environment variables, which win over defaults.
+
+        ``capacity`` is bytes (``"2GiB"``, ``"512MB"``) or a fraction of host memory (``"0.25"``).
+        """
+        capacity = capacity or os.environ.get("PDSERVE_BLOCKSTORE_CAPACITY") or "1GiB"
+        env = {"redis_url": os.environ.get("PDSERVE_REDIS_URL")}
+        values: dict[str, object] = {k: v for k, v in env.items() if v}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        capacity_bytes = parse_memory_budget(capacity, psutil.virtual_memory().total)
+        return cls(capacity_bytes=capacity_bytes, **values)  # type: ignore[arg-type]
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def resolved_worker_id(self, port: int) -> str:
+        return self.worker_id or f"blockstore-{socket.gethostname()}-{port}-{os.getpid()}"
+
+    def advertised_address(self, port: int) -> str:
+        if self.advertise:
+            return self.advertise
+        wildcard = self.host in ("0.0.0.0", "[::]", "::", "")
+        return f"{socket.gethostname() if wildcard else self.host}:{port}"
