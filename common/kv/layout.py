@@ -74,8 +74,8 @@ class KvLayout:
             )
 
 
-def crc32c(data: bytes | memoryview) -> int:
-    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+def crc32c(data: bytes) -> int:
+    return int(google_crc32c.value(data))
 
 
 def block_chunks(
@@ -115,6 +115,7 @@ class BlockAssembler:
         self.hashes: list[int] = [0] * num_blocks
         self.num_complete = 0
         self._offset = 0  # bytes of the current block received
+        self._crc = google_crc32c.Checksum()  # of the current block, chunk by chunk
         self.num_bytes = 0
 
     def add(self, chunk: kv_chunk_pb2.KvBlockChunk) -> None:
@@ -131,17 +132,19 @@ class BlockAssembler:
             raise DataLossError(f"KV block {chunk.block_index} overflows {size} bytes")
         base = index * size
         self.buffer[base + self._offset : base + end] = data
+        self._crc.update(data)
         self._offset = end
         self.num_bytes += len(data)
         if not chunk.last_chunk_of_block:
             return
         if end != size:
             raise DataLossError(f"KV block {chunk.block_index} ended at {end} of {size} bytes")
-        if crc32c(memoryview(self.buffer)[base : base + size]) != chunk.block_crc32c:
+        if int.from_bytes(self._crc.digest(), "big") != chunk.block_crc32c:
             raise DataLossError(f"KV block {chunk.block_index} failed its CRC-32C check")
         self.hashes[index] = chunk.block_hash
         self.num_complete += 1
         self._offset = 0
+        self._crc = google_crc32c.Checksum()
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,87 @@
+"""Gateway routing and prefix-overlap arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import UnavailableError
+from common.index.prefix_index import prefix_overlap
+from common.index.registry import WorkerInfo
+from services.gateway.routing import Router
+
+
+def worker(
+    worker_id: str, role: str, running: int = 0, waiting: int = 0, free: int = 100
+) -> WorkerInfo:
+    return WorkerInfo(worker_id, role, f"{worker_id}:1", "m", 100, free, running, waiting)
+
+
+def test_prefix_overlap_counts_leading_blocks_without_gaps() -> None:
+    locations = [
+        {"a": "cpu", "b": "cpu", "store": "memory"},
+        {"a": "cpu", "store": "memory"},
+        {"b": "cpu", "store": "memory"},
+    ]
+    assert prefix_overlap(locations) == {"a": 2, "b": 1, "store": 3}
+    assert prefix_overlap([]) == {}
+
+
+def test_prefill_goes_to_the_worker_holding_the_prefix() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill")]
+    decodes = [worker("d0", "decode")]
+    for i in range(20):
+        route = router.choose(f"r{i}", 400, {"p1": 10}, prefills, decodes)
+        assert route.prefill is not None and route.prefill.worker_id == "p1"
+        assert route.overlap_blocks == 10
+
+
+def test_load_outweighs_a_small_overlap() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=5)]
+    route = router.choose("r", 400, {"p1": 2}, prefills, [worker("d0", "decode")])
+    assert route.prefill is not None and route.prefill.worker_id == "p0"
+
+
+def test_ties_spread_across_workers() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill")]
+    chosen = {
+        router.choose(f"r{i}", 400, {}, prefills, [worker("d0", "decode")]).prefill.worker_id
+        for i in range(40)
+    }  # type: ignore[union-attr]
+    assert chosen == {"p0", "p1"}
+
+
+def test_decode_picks_the_least_loaded_then_most_free() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    decodes = [
+        worker("d0", "decode", running=3),
+        worker("d1", "decode", running=1, free=10),
+        worker("d2", "decode", running=1, free=50),
+    ]
+    route = router.choose("r", 400, {}, [worker("p0", "prefill")], decodes)
+    assert route.decode.worker_id == "d2"
+    router.in_flight["d2"] += 5
+    assert router.choose("r", 400, {}, [worker("p0", "prefill")], decodes).decode.worker_id == "d1"
+
+
+def test_short_or_mostly_cached_prompts_prefill_on_the_decode_worker() -> None:
+    router = Router(block_size=16, local_prefill_tokens=32, overlap_weight=1.0)
+    prefills = [worker("p0", "prefill")]
+    decodes = [worker("d0", "decode"), worker("d1", "decode")]
+    short = router.choose("r", 20, {}, prefills, decodes)
+    assert short.prefill is None
+    cached = router.choose("r", 400, {"d1": 24}, prefills, decodes)  # 384 of 400 tokens cached
+    assert (
+        cached.prefill is None and cached.decode.worker_id == "d1" and cached.overlap_blocks == 24
+    )
+    long = router.choose("r", 400, {"d1": 10}, prefills, decodes)
+    assert long.prefill is not None
+
+
+def test_no_decode_worker_is_unavailable_and_no_prefill_falls_back() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    with pytest.raises(UnavailableError, match="no decode worker"):
+        router.choose("r", 400, {}, [worker("p0", "prefill")], [])
+    assert router.choose("r", 400, {}, [], [worker("d0", "decode")]).prefill is None
