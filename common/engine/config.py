@@ -13,6 +13,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache element types: the float dtypes, or int8 / fp8 (e4m3fn) codes with block scales.
+KV_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def parse_memory_budget(text: str, total_bytes: int) -> int:
@@ -41,7 +43,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_waiting: int = 512
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
+    kv_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 quantize the KV cache
     hash_seed: str = ""
 
     def __post_init__(self) -> None:
@@ -58,6 +61,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be auto or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}"
+            )
 
     @classmethod
     def from_env(cls, model: str, **overrides: object) -> EngineConfig:
@@ -66,6 +73,7 @@ class EngineConfig:
             "attention_backend": os.environ.get("PDSERVE_ATTENTION_BACKEND"),
             "kv_cache_memory": os.environ.get("PDSERVE_KV_CACHE_MEMORY"),
             "device": os.environ.get("PDSERVE_DEVICE"),
+            "kv_dtype": os.environ.get("PDSERVE_KV_DTYPE"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -82,3 +90,9 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        if self.kv_dtype == "auto":
+            return self.torch_dtype
+        return KV_DTYPES[self.kv_dtype]

@@ -27,8 +27,8 @@ from common.engine.request import FinishReason, KvImport, Request, RequestStatus
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
-from common.errors import InvalidRequestError, NotFoundError
-from common.kv.hashing import BlockHash
+from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
+from common.kv.hashing import BlockHash, hash_prompt_blocks
 from common.models.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of the first step it ran in
 
     @property
     def finished(self) -> bool:
@@ -115,7 +116,7 @@ class Engine:
         kv_import: KvImport | None = None,
     ) -> Request:
         if request_id in self.requests or request_id in self.held:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
         self.validate(prompt_token_ids, sampling, len(output_token_ids or ()))
         if kv_import is not None:
             self._check_import(kv_import, len(prompt_token_ids) + len(output_token_ids or ()))
@@ -156,6 +157,7 @@ class Engine:
             )
 
     def _check_import(self, kv_import: KvImport, num_tokens: int) -> None:
+        self.runner.check_kv_transferable("import")  # refused at admission, not mid-step
         expected = (
             -(-kv_import.num_tokens // self.block_size),
             self.spec.num_layers,
@@ -219,6 +221,7 @@ class Engine:
                 [logprob],
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
+                first_scheduled_time=req.first_scheduled_time,
             )
             if finished:
                 out.finish_reason = self._finish(req).finish_reason
@@ -270,6 +273,16 @@ class Engine:
         return True
 
     # -- introspection ----------------------------------------------------------------------
+
+    def num_cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of ``token_ids`` this engine's prefix cache would serve (full blocks)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hashes = hash_prompt_blocks(
+            token_ids, self.block_size, cache_salt, seed=self.config.hash_seed
+        )
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return len(self.kv.pool.longest_cached_prefix(hashes[:max_blocks])) * self.block_size
 
     def stats(self) -> EngineStats:
         return EngineStats(

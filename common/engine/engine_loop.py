@@ -42,7 +42,7 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False

@@ -1,7 +1,9 @@
-"""ModelRunner: owns the model and the KV cache tensor; turns a schedule into logits.
+"""ModelRunner: owns the model and the KV cache tensors; turns a schedule into logits.
 
 Shapes: T = tokens in the step, n = sequences sampled, L/N/S/Hkv/D as in the KV cache
 ``[L, 2, N, S, Hkv, D]``. Token order: single-token queries first, then prefill chunks.
+An int8 / fp8 cache (``kv_dtype``) also has ``kv_scales [L, 2, N, Hkv]`` float32, one scale
+per (layer, K or V, block, kv head); see kernels/kv_quant.py for the format.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import psutil
 import torch
 
-from common.engine.attention import AttentionBatch, select_backend
+from common.engine.attention import AttentionBatch, LayerKV, select_backend
+from common.engine.attention.base import QUANTIZED_KV_DTYPES
+from common.engine.attention.torch_kv import new_kv_scales
 from common.engine.config import EngineConfig, parse_memory_budget
 from common.engine.scheduler import ScheduledRequest
 from common.models.loader import CausalLM, build_model
@@ -21,8 +25,13 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers: K and V elements, plus their float32 scales
+    (one per layer, K/V and kv head) when the cache is quantized."""
     element = torch.empty(0, dtype=dtype).element_size()
-    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+    num_bytes = spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+    if dtype in QUANTIZED_KV_DTYPES:
+        num_bytes += spec.num_layers * 2 * spec.num_kv_heads * 4
+    return num_bytes
 
 
 def num_blocks_for_budget(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -54,25 +63,45 @@ class ModelRunner:
         self.model: CausalLM = build_model(
             spec, config.model, self.backend, self.dtype, self.device
         )
-        self.num_blocks = num_blocks_for_budget(config, spec, self.dtype)
-        shape = (
-            spec.num_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-        )
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_dtype = config.torch_kv_dtype
+        self.num_blocks = num_blocks_for_budget(config, spec, self.kv_dtype)
+        L, N, Hkv = spec.num_layers, self.num_blocks, spec.num_kv_heads
+        shape = (L, 2, N, self.block_size, Hkv, spec.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv] float32
+        if self.kv_quantized:
+            self.kv_scales = new_kv_scales((L, 2, N, Hkv), self.device)
+        scales = self.kv_scales
+        self.layer_kv = [
+            LayerKV(
+                self.kv_cache[i, 0],
+                self.kv_cache[i, 1],
+                scales[i, 0] if scales is not None else None,
+                scales[i, 1] if scales is not None else None,
+            )
+            for i in range(L)
+        ]
         self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s, backend %s)",
             self.num_blocks,
             self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
-            self.dtype,
+            self.num_blocks * kv_bytes_per_block(spec, self.block_size, self.kv_dtype) / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
             self.backend.name,
         )
+
+    @property
+    def kv_quantized(self) -> bool:
+        return self.kv_dtype in QUANTIZED_KV_DTYPES
+
+    def check_kv_transferable(self, direction: str = "export") -> None:
+        """Raises ValueError for a quantized cache: the wire layout carries no scales yet."""
+        if self.kv_quantized:
+            raise ValueError(
+                f"KV {direction} of int8/fp8 caches is not supported yet (this engine's KV "
+                f"dtype is {self.config.kv_dtype}); use a float kv_dtype for disaggregated serving"
+            )
 
     @torch.inference_mode()
     def execute(
@@ -129,7 +158,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache,
+            self.layer_kv,
             metadata,
         )
         self.num_forward_tokens += len(input_ids)
@@ -146,15 +175,17 @@ class ModelRunner:
         return logits, sampling
 
     def _import(self, item: ScheduledRequest) -> None:
+        self.check_kv_transferable("import")
         kv_import = item.request.kv_import
         assert kv_import is not None, item.request.request_id
-        data = kv_import.data.to(device=self.device, dtype=self.dtype)  # [n, L, 2, S, Hkv, D]
+        data = kv_import.data.to(device=self.device, dtype=self.kv_dtype)  # [n, L, 2, S, Hkv, D]
         block_ids = torch.tensor(item.import_block_ids, dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, block_ids, data.permute(1, 2, 0, 3, 4, 5))
         item.request.kv_import = None
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[n, L, 2, S, Hkv, D] contiguous copy of the blocks, the KV wire layout."""
+        self.check_kv_transferable("export")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
 

@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from common.engine.attention.base import AttentionBackend
+
+
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm computed in float32 and cast back before the weight, as transformers does."""
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype)
+
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32 and cast back before the weight, as transformers does."""
+    """An RMS norm's weight and eps; the arithmetic is the attention backend's (see
+    common/engine/attention/base.py), so a fused kernel can replace it."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
+    def forward(self, x: torch.Tensor, ops: AttentionBackend) -> torch.Tensor:
+        """x: [T, H], or [T, heads, H] for a per-head norm."""
+        if x.dim() == 2:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual: [T, H]."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ShardedLinear(nn.Linear):

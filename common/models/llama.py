@@ -9,16 +9,16 @@ is the attention metadata's business.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.attention import AttentionBackend
+from common.engine.attention import AttentionBackend, LayerKV
 from common.models.layers import RMSNorm, ShardedLinear
-from common.models.rope import apply_rotary, cos_sin_table
+from common.models.rope import cos_sin_table
 from common.models.spec import ModelSpec
 
 
@@ -40,9 +40,9 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos_sin: torch.Tensor,  # [T, D]
-        k_cache: torch.Tensor,  # [N, S, Hkv, D]
-        v_cache: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [P, D] the rotary table
+        kv: LayerKV,
         backend: AttentionBackend,
         metadata: Any,
     ) -> torch.Tensor:
@@ -53,9 +53,9 @@ class Attention(nn.Module):
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, metadata, self.scale)
+            q, k = self.q_norm(q, backend), self.k_norm(k, backend)
+        q, k = backend.rotary(q, k, positions, cos_sin)
+        out = backend.forward(q, k, v.contiguous(), kv, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
@@ -85,16 +85,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        h: torch.Tensor,  # [T, H] the previous layer's output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, H] the residual stream before h is added to it
+        positions: torch.Tensor,
         cos_sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         backend: AttentionBackend,
         metadata: Any,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos_sin, k_cache, v_cache, backend, metadata)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); their sum is this layer's hidden state."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h, backend)
+        else:
+            x, residual = self.input_layernorm.forward_add(h, residual, backend)
+        attn = self.self_attn(x, positions, cos_sin, kv, backend, metadata)
+        x, residual = self.post_attention_layernorm.forward_add(attn, residual, backend)
+        return self.mlp(x), residual
 
 
 # HF weight name -> (our module path, shard or None, param). One regex per family of names.
@@ -129,14 +136,17 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [L, 2, N, S, Hkv, D]
+        kv: Sequence[LayerKV],  # one per layer
         metadata: Any,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
         h = self.embed_tokens(input_ids)
-        cos_sin = self.cos_sin[positions]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, kv_cache[i, 0], kv_cache[i, 1], self.backend, metadata)
-        return self.norm(h)
+        residual: torch.Tensor | None = None
+        for layer, layer_kv in zip(self.layers, kv, strict=True):
+            h, residual = layer(
+                h, residual, positions, self.cos_sin, layer_kv, self.backend, metadata
+            )
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.forward_add(h, residual, self.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [n, V]

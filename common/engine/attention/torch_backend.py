@@ -3,7 +3,12 @@
 Shapes: see base.py. Decode sequences are batched by gathering their blocks into a padded
 [Bd, M*S, Hkv, D] view and masking; prefill chunks run one sequence at a time through
 ``scaled_dot_product_attention`` (a chunk with no cached prefix attends to its own fresh
-K/V, exactly like a dense causal forward).
+K/V, exactly like a dense causal forward, unless the cache is quantized: then every query
+reads the dequantized cache, as the Triton kernels do, so a prefix-cache hit or a chunk
+boundary never changes what a token sees).
+
+The norm and rotary ops are Hugging Face's own arithmetic, so the torch path matches
+transformers bit for bit in float32.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.engine.attention.base import AttentionBatch
+from common.engine.attention.base import AttentionBatch, LayerKV
+from common.engine.attention.torch_kv import gather_blocks, write_kv_torch
+from common.models.layers import rms_norm_hf
+from common.models.rope import apply_rotary
 
 
 @dataclass
@@ -72,33 +80,30 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         batch = metadata.batch
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [N*S, Hkv, D]
-        v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
-        k_flat.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        write_kv_torch(k, v, kv, batch.slot_mapping)
 
         out = torch.empty_like(q)
         num_decodes = batch.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, metadata, scale)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv, metadata, scale)
         start = num_decodes
         for i, q_len in enumerate(batch.prefill_query_lens_host):
             end = start + q_len
             mask = metadata.prefill_masks[i]
-            if mask is None:
+            if mask is None and not kv.quantized:
                 keys, values = k[start:end], v[start:end]
             else:
+                # A fresh chunk's mask stays None (causal): its keys are exactly its queries'.
                 block_ids = metadata.prefill_block_ids[i]
                 seq_len = batch.prefill_seq_lens_host[i]
-                keys = k_cache[block_ids].flatten(0, 1)[:seq_len]
-                values = v_cache[block_ids].flatten(0, 1)[:seq_len]
+                keys = gather_blocks(kv.k_cache, kv.k_scale, block_ids, q.dtype)
+                values = gather_blocks(kv.v_cache, kv.v_scale, block_ids, q.dtype)
+                keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
             out[start:end] = _dense_attention(q[start:end], keys, values, mask, scale)
             start = end
         return out
@@ -106,17 +111,18 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(
         q: torch.Tensor,  # [Bd, Hq, D]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = kv.k_cache.shape[2]
         group = num_heads // num_kv_heads
         block_ids = metadata.decode_block_ids
-        keys = k_cache[block_ids].flatten(1, 2)  # [Bd, Md*S, Hkv, D]
-        values = v_cache[block_ids].flatten(1, 2)
+        dtype = q.dtype if kv.quantized else kv.k_cache.dtype
+        keys = gather_blocks(kv.k_cache, kv.k_scale, block_ids, dtype)  # [Bd, Md, S, Hkv, D]
+        values = gather_blocks(kv.v_cache, kv.v_scale, block_ids, dtype)
+        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # [Bd, Md*S, Hkv, D]
         # Query heads of a group share their kv head: [Bd, Hkv, G, D] against [Bd, Hkv, ctx, D].
         q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
         scores = torch.matmul(q_grouped, keys.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, ctx]
@@ -124,6 +130,21 @@ class TorchAttentionBackend:
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # [Bd, Hkv, G, D]
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_hf(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = residual + x
+        return rms_norm_hf(summed, weight, eps), summed
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = cos_sin[positions]  # [T, D]
+        return apply_rotary(q, rows), apply_rotary(k, rows)
 
 
 def _dense_attention(
