@@ -1,0 +1,395 @@
+"""The Helm chart (deploy/helm/pdserve): lint, Kubernetes schema validation of every rendered
+object, and the deployment invariants of issue 8, for the default values and its variants."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.rendering import (
+    CHART_DIR,
+    NAMESPACE,
+    OTLP_ENDPOINT,
+    PDSERVE_ROLES,
+    RELEASE,
+    VARIANTS,
+    WORKER_ROLES,
+    Manifest,
+    containers,
+    env_of,
+    flag,
+    pod_labels,
+    pod_spec,
+    render,
+    selects,
+    service_address,
+)
+
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion: native gRPC probes are GA
+# in 1.27) and a current one; kubernetes-validate ships the schemas, so this runs offline.
+KUBE_VERSIONS = ("1.27.0", "1.34.0")
+# Kinds from CRDs, which kubernetes-validate has no schema for; checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
+# The block store has no --drain-grace-s flag; it drains for its config's default.
+BLOCKSTORE_DRAIN_S = 10.0
+
+variant_names = pytest.mark.parametrize("variant", sorted(VARIANTS))
+
+
+def roles_present(variant: str) -> tuple[str, ...]:
+    blockstore = VARIANTS[variant].get("blockstore", {}).get("enabled", True)
+    return tuple(role for role in PDSERVE_ROLES if blockstore or role != "blockstore")
+
+
+def pdserve_container(deployment: Manifest) -> Manifest:
+    return pod_spec(deployment)["containers"][0]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_lint_is_clean(variant: str) -> None:
+    report = helm.lint(
+        CHART_DIR, VARIANTS[variant], strict=True, namespace=NAMESPACE, kube_version="v1.27.0"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert (report["errors"], problems) == ([], [])
+
+
+@variant_names
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_object_matches_the_kubernetes_schema(variant: str, kube_version: str) -> None:
+    rendered = render(VARIANTS[variant])
+    for obj in rendered.objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(part) for part in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+
+
+@variant_names
+def test_every_deployment_has_grpc_probes_on_its_grpc_port(variant: str) -> None:
+    for role in roles_present(variant):
+        container = pdserve_container(render(VARIANTS[variant]).deployment(role))
+        grpc_ports = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
+        assert len(grpc_ports) == 1, role
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": grpc_ports[0], "service": ""}, role
+        assert flag(container, "port") == str(grpc_ports[0])
+
+
+@variant_names
+def test_every_container_has_requests_and_limits(variant: str) -> None:
+    for workload in render(VARIANTS[variant]).workloads():
+        for container in containers(workload):
+            resources = container["resources"]
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources[kind]), (container["name"], kind)
+
+
+@variant_names
+def test_each_role_has_exactly_one_pdb_selecting_its_pods(variant: str) -> None:
+    rendered = render(VARIANTS[variant])
+    pdbs = rendered.of_kind("PodDisruptionBudget")
+    for role in roles_present(variant):
+        labels = pod_labels(rendered.deployment(role))
+        matching = [p for p in pdbs if selects(p["spec"]["selector"]["matchLabels"], labels)]
+        assert len(matching) == 1, role
+    assert len(pdbs) == len(roles_present(variant))
+
+
+@variant_names
+def test_grace_period_exceeds_drain_and_pre_stop(variant: str) -> None:
+    for role in roles_present(variant):
+        deployment = render(VARIANTS[variant]).deployment(role)
+        container = pdserve_container(deployment)
+        drain_s = float(flag(container, "drain-grace-s") or BLOCKSTORE_DRAIN_S)
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {})
+        pre_stop_s = float(pre_stop["command"][1]) if pre_stop else 0.0
+        grace_s = pod_spec(deployment)["terminationGracePeriodSeconds"]
+        assert grace_s > drain_s + pre_stop_s, role
+
+
+@pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
+def test_chart_refuses_a_grace_period_that_cuts_the_drain(role: str) -> None:
+    values = {role: {"drainGraceSeconds": 20, "terminationGracePeriodSeconds": 20}}
+    with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
+        render(values)
+
+
+@variant_names
+def test_every_image_has_a_pinned_tag(variant: str) -> None:
+    for workload in render(VARIANTS[variant]).workloads():
+        for container in containers(workload):
+            repository, _, tag = container["image"].rpartition(":")
+            assert repository and "/" not in tag, container["image"]
+            assert tag and tag != "latest", container["image"]
+
+
+@pytest.mark.parametrize(
+    "values", [{"image": {"tag": "latest"}}, {"redis": {"image": {"tag": "latest"}}}]
+)
+def test_latest_tag_is_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError):
+        render(values)
+
+
+def is_secret_ref(var: Manifest) -> bool:
+    return "secretKeyRef" in var.get("valueFrom", {})
+
+
+@variant_names
+def test_no_credential_is_written_into_a_manifest(variant: str) -> None:
+    for workload in render(VARIANTS[variant]).workloads():
+        for container in containers(workload):
+            names = [var["name"] for var in container.get("env", [])]
+            env = env_of(container)
+            for name, var in env.items():
+                if re.search(r"PASSWORD|SECRET|TOKEN|AUTH", name):
+                    assert is_secret_ref(var), (container["name"], name)
+            url = env.get("PDSERVE_REDIS_URL")
+            if url is not None and not is_secret_ref(url):
+                userinfo = re.match(r"rediss?://(?:([^@/]*)@)?[^@]+$", url["value"])
+                assert userinfo, url["value"]
+                if userinfo.group(1):
+                    # Only a reference to the secret-backed variable, defined before it.
+                    assert userinfo.group(1).endswith(":$(REDIS_PASSWORD)"), url["value"]
+                    assert names.index("REDIS_PASSWORD") < names.index("PDSERVE_REDIS_URL")
+            for text in [*container.get("args", []), *container.get("command", [])]:
+                assert not re.search(r"requirepass\s+[^\s\"]", text), text
+
+
+def string_settings(tree: Any, path: str = "") -> list[tuple[str, str]]:
+    """(dotted key, value) for every string-valued setting."""
+    if isinstance(tree, dict):
+        return [kv for key, value in tree.items() for kv in string_settings(value, f"{path}.{key}")]
+    if isinstance(tree, list):
+        return [kv for i, value in enumerate(tree) for kv in string_settings(value, f"{path}[{i}]")]
+    return [(path, tree)] if isinstance(tree, str) else []
+
+
+def test_values_have_no_place_for_an_inline_password() -> None:
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    credential = re.compile(r"password|passwd|token|credential|apikey", re.IGNORECASE)
+    # "...PasswordKey" names a key inside a Secret, which is where the password lives.
+    inline = [
+        path
+        for path, _ in string_settings(values)
+        if credential.search(path.rsplit(".", 1)[-1]) and not path.endswith("Key")
+    ]
+    assert inline == []
+    assert {path for path, _ in string_settings(values) if "PasswordKey" in path} == {
+        ".redis.auth.existingSecretPasswordKey",
+        ".redis.external.existingSecretPasswordKey",
+    }
+
+
+def test_generated_redis_password_is_random_and_only_without_existing_secret() -> None:
+    def secrets(values: dict[str, Any]) -> list[Manifest]:
+        with helm.Chart.load(CHART_DIR) as chart:
+            manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        docs = [
+            doc
+            for path, text in manifests.items()
+            if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text)
+            if doc
+        ]
+        return [doc for doc in docs if doc["kind"] == "Secret"]
+
+    first, second = secrets({}), secrets({})
+    assert [s["metadata"]["name"] for s in first] == [f"{RELEASE}-pdserve-redis"]
+    assert len(first[0]["data"]["redis-password"]) >= 40  # base64 of 32 characters
+    assert first[0]["data"] != second[0]["data"]
+    assert secrets({"redis": {"auth": {"existingSecret": "mine"}}}) == []
+    assert secrets(VARIANTS["external-redis"]) == []
+
+
+def test_gateway_is_told_the_worker_service_addresses() -> None:
+    rendered = render()
+    env = env_of(pdserve_container(rendered.deployment("gateway")))
+    for role in (*WORKER_ROLES, "blockstore"):
+        service = rendered.one("Service", f"{RELEASE}-pdserve-{role}")
+        port = service["spec"]["ports"][0]["port"]
+        key = "PDSERVE_BLOCKSTORE" if role == "blockstore" else f"PDSERVE_{role.upper()}_SERVICE"
+        assert env[key]["value"] == service_address(role, port)
+        if role in WORKER_ROLES:
+            assert service["spec"]["clusterIP"] == "None"  # headless: one record per pod
+            assert port == int(flag(pdserve_container(rendered.deployment(role)), "port") or 0)
+
+
+@pytest.mark.parametrize("role", WORKER_ROLES)
+def test_workers_advertise_their_pod_address_and_use_the_block_store(role: str) -> None:
+    container = pdserve_container(render().deployment(role))
+    port = flag(container, "port")
+    assert flag(container, "advertise") == f"$(POD_IP):{port}"
+    assert env_of(container)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert flag(container, "blockstore") == service_address("blockstore", 50060)
+    assert flag(container, "device") == "cpu"
+    assert container["args"][0] == role
+
+
+@variant_names
+def test_every_service_selects_pods_and_names_their_ports(variant: str) -> None:
+    rendered = render(VARIANTS[variant])
+    for service in rendered.of_kind("Service"):
+        selector = service["spec"]["selector"]
+        pods = [w for w in rendered.workloads() if selects(selector, pod_labels(w))]
+        assert pods, service["metadata"]["name"]
+        ports = {p["name"] for w in pods for c in containers(w, init=False) for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+
+
+def test_gateway_hpa_owns_the_replica_count() -> None:
+    rendered = render()
+    gateway = rendered.deployment("gateway")
+    hpa = rendered.one("HorizontalPodAutoscaler", gateway["metadata"]["name"])
+    assert hpa["spec"]["scaleTargetRef"]["name"] == gateway["metadata"]["name"]
+    assert "replicas" not in gateway["spec"]
+    fixed = render(VARIANTS["shared-model-fixed-replicas"])
+    assert fixed.of_kind("HorizontalPodAutoscaler") == []
+    replicas = [fixed.deployment(role)["spec"]["replicas"] for role in ("gateway", *WORKER_ROLES)]
+    assert replicas == [3, 2, 4]
+
+
+def test_gpu_workers_request_gpus_and_run_the_cuda_image() -> None:
+    rendered = render(VARIANTS["gpu"])
+    for role in WORKER_ROLES:
+        deployment = rendered.deployment(role)
+        container = pdserve_container(deployment)
+        for kind in ("requests", "limits"):
+            assert container["resources"][kind]["nvidia.com/gpu"] == 2
+        assert flag(container, "device") == "cuda"
+        assert container["image"] == "pdserve:0.1.0-cuda"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(
+            deployment
+        )["tolerations"]
+    for role in ("gateway", "blockstore"):
+        container = pdserve_container(rendered.deployment(role))
+        assert "nvidia.com/gpu" not in container["resources"]["limits"]
+        assert container["image"] == "pdserve:0.1.0"
+
+
+def test_tracing_passes_otel_settings_per_role() -> None:
+    rendered = render(VARIANTS["tracing-and-metrics"])
+    for role in PDSERVE_ROLES:
+        env = env_of(pdserve_container(rendered.deployment(role)))
+        assert env["OTEL_SERVICE_NAME"]["value"] == f"pdserve-{role}"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == OTLP_ENDPOINT
+        attributes = env["OTEL_RESOURCE_ATTRIBUTES"]["value"].split(",")
+        assert "k8s.pod.name=$(POD_NAME)" in attributes
+        assert "deployment.environment=test" in attributes
+    for role in PDSERVE_ROLES:
+        env = env_of(pdserve_container(render().deployment(role)))
+        assert not [name for name in env if name.startswith("OTEL_")]
+    with pytest.raises(helm.HelmError, match=r"tracing\.endpoint"):
+        render({"tracing": {"enabled": True}})
+
+
+def test_metrics_port_and_service_monitor_are_opt_in() -> None:
+    rendered = render(VARIANTS["tracing-and-metrics"])
+    (monitor,) = rendered.of_kind("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    for role in PDSERVE_ROLES:
+        container = pdserve_container(rendered.deployment(role))
+        assert flag(container, "metrics-port") == "9090"
+        service = rendered.one("Service", f"{RELEASE}-pdserve-{role}")
+        assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    default = render()
+    assert default.of_kind("ServiceMonitor") == []
+    assert flag(pdserve_container(default.deployment("gateway")), "metrics-port") is None
+
+
+def test_external_redis_replaces_the_statefulset() -> None:
+    rendered = render(VARIANTS["external-redis"])
+    assert rendered.of_kind("StatefulSet") == []
+    env = env_of(pdserve_container(rendered.deployment("decode")))
+    url = env["PDSERVE_REDIS_URL"]["value"]
+    assert url == "rediss://:$(REDIS_PASSWORD)@redis.example.com:6379/0"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+    by_url = env_of(pdserve_container(render(VARIANTS["external-redis-url"]).deployment("gateway")))
+    assert by_url["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-url",
+        "key": "redis-url",
+    }
+    with pytest.raises(helm.HelmError, match="redis"):
+        render({"redis": {"enabled": False}})
+
+
+def test_bundled_redis_is_a_password_protected_statefulset() -> None:
+    rendered = render()
+    (redis,) = rendered.of_kind("StatefulSet")
+    container = pod_spec(redis)["containers"][0]
+    assert "requirepass" in container["args"][0]
+    secret = env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": f"{RELEASE}-pdserve-redis", "key": "redis-password"}
+    url = env_of(pdserve_container(rendered.deployment("gateway")))["PDSERVE_REDIS_URL"]["value"]
+    assert url == f"redis://:$(REDIS_PASSWORD)@{service_address('redis', 6379)}/0"
+    persistent = render(VARIANTS["shared-model-fixed-replicas"]).of_kind("StatefulSet")[0]
+    assert persistent["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+@variant_names
+def test_pods_run_as_non_root_with_a_read_only_root(variant: str) -> None:
+    for workload in render(VARIANTS[variant]).workloads():
+        spec = pod_spec(workload)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for container in containers(workload):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True, container["name"]
+            assert context["allowPrivilegeEscalation"] is False, container["name"]
+            assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert "/tmp" in mounts, container["name"]
+
+
+def test_model_is_converted_into_the_volume_by_an_init_container() -> None:
+    for role in ("gateway", *WORKER_ROLES):
+        deployment = render().deployment(role)
+        (init,) = pod_spec(deployment)["initContainers"]
+        assert init["args"] == ["convert", "--output=/models/SmolLM2-135M-Instruct"]
+        assert flag(pdserve_container(deployment), "model") == "/models/SmolLM2-135M-Instruct"
+        mounts = {m["name"]: m for m in pdserve_container(deployment)["volumeMounts"]}
+        assert mounts["model"]["readOnly"] is True
+    shared = render(VARIANTS["shared-model-fixed-replicas"]).deployment("decode")
+    assert "initContainers" not in pod_spec(shared)
+    volume = next(v for v in pod_spec(shared)["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "models"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"gatway": {}},
+        {"prefill": {"replicas": -1}},
+        {"gpu": {"enabled": "yes"}},
+        {"decode": {"attentionBackend": "flash"}},
+    ],
+)
+def test_schema_rejects_unknown_and_malformed_values(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+
+
+def test_notes_tell_how_to_send_a_first_request() -> None:
+    notes = render().notes
+    assert f"port-forward service/{RELEASE}-pdserve-gateway 50051:50051" in notes
+    assert "pdserve generate --target localhost:50051" in notes
+    assert "pdserve.gateway.v1.GatewayService/Generate" in notes
+
+
+def test_helm_test_pod_sends_a_prompt_through_the_gateway() -> None:
+    (pod,) = render().of_kind("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = pod_spec(pod)["containers"][0]
+    assert container["args"][0] == "generate"
+    assert flag(container, "target") == service_address("gateway", 50051)
