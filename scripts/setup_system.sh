@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Debian packages for the integration tests: a real redis-server, and Node.js for the
-# cross-language client test. Installs only what is missing.
+# What the integration tests need outside Python: a real redis-server, Node.js for the
+# cross-language client test, and that test's npm packages. Installs only what is missing.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
@@ -12,5 +12,10 @@ if ((${#need[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+# The Node.js client test's dependencies, exactly as tests/node/package-lock.json pins them.
+node_dir="$(dirname "$0")/../tests/node"
+if [[ ! -d "$node_dir/node_modules" ]]; then
+  npm ci --prefix "$node_dir" --no-audit --no-fund
 fi
 echo "system: redis-server $(redis-server --version | awk '{print $3}'), node $(node --version)"

@@ -81,34 +81,41 @@ class EngineLoop:
     ) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until it finishes.
 
-        Errors from ``add_request`` (bad input, full queue, ...) raise before the first
-        output. Leaving the iteration early aborts the request.
+        Errors from ``add_request`` (bad input, full queue, a request_id in flight, ...) raise
+        before the first output and leave the engine as it was. Leaving at any point before
+        the final output (cancelled while the add waits, or mid-stream) aborts this request,
+        and never another one with the same id: the stream is registered on the engine thread
+        only once the add succeeded, and the abort checks it is still this stream's.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        left = threading.Event()
 
         def add(engine: Engine) -> None:
-            try:
-                engine.add_request(request_id, prompt_token_ids, sampling, **kwargs)
-            except BaseException:
-                self._streams.pop(request_id, None)
-                raise
+            if left.is_set():
+                return  # the caller is gone already: never admit it
+            engine.add_request(request_id, prompt_token_ids, sampling, **kwargs)
+            self._streams[request_id] = stream
 
-        await self.call(add)
+        def abort_own() -> None:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                self.engine.abort(request_id)
+
         finished = False
         try:
+            await self.call(add)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
-                    finished = True
+                finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             if not finished:
-                self._commands.put(lambda: self._abort(request_id))
+                left.set()
+                self._commands.put(abort_own)
                 self._wake.set()
 
     def submit(self, fn: Callable[[Engine], object]) -> None:

@@ -20,6 +20,8 @@ class WorkerInfo:
     num_running: int = 0
     num_waiting: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # Most tokens a request may span on this worker (its KV pool bounds it too); 0 = unknown.
+    max_model_len: int = 0
     heartbeat_unix_ms: int = 0
 
     def to_redis(self) -> dict[str, str]:

@@ -129,6 +129,7 @@ class WorkerRuntime:
                         num_running=stats.num_running,
                         num_waiting=stats.num_waiting,
                         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                        max_model_len=self.engine.max_model_len,
                     )
                 )
                 await self.index.remove(self.worker_id, [int(h) for h in evicted])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -66,34 +67,42 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         admitted = time.monotonic()
 
         published = False
-        async for out in runtime.loop.generate(
+        outputs = runtime.loop.generate(
             request.request_id,
             prompt,
             sampling,
             cache_salt=salt,
             output_token_ids=generated,
             kv_import=kv_import,
-        ):
-            message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
-            if sampling.logprobs or sampling.top_logprobs:
-                message.logprobs.extend(logprob_pb(lp) for lp in out.new_logprobs if lp is not None)
-            if not published:
-                # The prompt's full blocks now sit in this worker's cache.
-                runtime.in_background(runtime.publish_blocks(runtime.block_hashes(prompt, salt)))
-                published = True
-            if out.finished:
-                context_len = len(prompt) + len(generated)
-                message.finish_reason = finish_reason_pb(out.finish_reason)
-                message.cached_tokens = out.num_cached_tokens
-                message.imported_tokens = imported
-                message.computed_tokens = max(0, context_len - out.num_cached_tokens - imported)
-                message.kv_transfer_bytes = num_bytes
-                message.kv_transfer_ms = transfer_ms
-                scheduled = out.first_scheduled_time or admitted
-                message.queue_ms = max(
-                    0.0, (scheduled - admitted) * 1000 + (admitted - arrival) * 1000 - transfer_ms
-                )
-            yield message
+        )
+        # aclosing: a cancelled call aborts the request now, not when the generator is collected.
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                if sampling.logprobs or sampling.top_logprobs:
+                    message.logprobs.extend(
+                        logprob_pb(lp) for lp in out.new_logprobs if lp is not None
+                    )
+                if not published:
+                    # The prompt's full blocks now sit in this worker's cache.
+                    runtime.in_background(
+                        runtime.publish_blocks(runtime.block_hashes(prompt, salt))
+                    )
+                    published = True
+                if out.finished:
+                    context_len = len(prompt) + len(generated)
+                    message.finish_reason = finish_reason_pb(out.finish_reason)
+                    message.cached_tokens = out.num_cached_tokens
+                    message.imported_tokens = imported
+                    message.computed_tokens = max(0, context_len - out.num_cached_tokens - imported)
+                    message.kv_transfer_bytes = num_bytes
+                    message.kv_transfer_ms = transfer_ms
+                    scheduled = out.first_scheduled_time or admitted
+                    message.queue_ms = max(
+                        0.0,
+                        (scheduled - admitted) * 1000 + (admitted - arrival) * 1000 - transfer_ms,
+                    )
+                yield message
 
     async def _fetch(
         self,

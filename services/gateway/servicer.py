@@ -6,13 +6,20 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
 
 from common.engine.sampling_params import SamplingParams
-from common.errors import InvalidRequestError, NotFoundError, PdserveError, QueueFullError
+from common.errors import (
+    AlreadyExistsError,
+    InvalidRequestError,
+    NotFoundError,
+    PdserveError,
+    QueueFullError,
+    UnavailableError,
+)
 from common.index.prefix_index import PrefixIndex, prefix_overlap
 from common.kv.hashing import HASH_SCHEME_VERSION, hash_prompt_blocks
 from common.kv.pull import release_lease
@@ -107,6 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.gateway_id = gateway_id
         self.address = address
         self.num_in_flight = 0
+        self._request_ids: set[str] = set()  # of the requests in flight
         self._background: set[asyncio.Task[Any]] = set()
 
     def _check_model(self, model: str) -> None:
@@ -114,6 +122,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise NotFoundError(
                 f"model {model!r} is not served here; this cluster serves {self.model!r}"
             )
+
+    async def _context_limit(self) -> int:
+        """Most tokens a request may span: the configured limit, lowered to what every live
+        worker of the model serves (a worker's KV pool bounds its limit too). The configured
+        limit alone when the registry cannot be read; routing will then answer UNAVAILABLE."""
+        try:
+            workers = await self.directory.workers()
+        except UnavailableError:
+            return self.max_model_len
+        limits = [
+            w.max_model_len
+            for w in workers
+            if w.role in ("prefill", "decode") and w.model == self.model and w.max_model_len > 0
+        ]
+        return min([self.max_model_len, *limits])
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -123,19 +146,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._check_model(request.model)
         field, prompt = prompt_token_ids(request, self.tokenizer, self.spec.vocab_size)
-        if len(prompt) >= self.max_model_len:
+        limit = await self._context_limit()
+        if len(prompt) >= limit:
             raise InvalidRequestError(
-                field,
-                f"the prompt has {len(prompt)} tokens; the model's context holds {self.max_model_len}",
+                field, f"the prompt has {len(prompt)} tokens; the model's context holds {limit}"
             )
-        if request.sampling.max_tokens > self.max_model_len - len(prompt):
+        if request.sampling.max_tokens > limit - len(prompt):
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens",
+                f"context of {limit} tokens",
             )
-        sampling = SamplingParams.from_pb(request.sampling, self.max_model_len - len(prompt))
+        sampling = SamplingParams.from_pb(request.sampling, limit - len(prompt))
         sampling.check_vocab(self.spec.vocab_size)
+        if request.request_id in self._request_ids:
+            raise AlreadyExistsError(f"a request with id {request.request_id!r} is in flight")
         if self.num_in_flight >= self.config.max_in_flight:
             raise QueueFullError(
                 f"the gateway has {self.num_in_flight} requests in flight; retry later"
@@ -146,12 +171,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request_id, prompt, IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
         )
         self.num_in_flight += 1
+        self._request_ids.add(request_id)
         try:
             route = await self._route(request_id, prompt, salt)
             async for message in self._run(route, relay, sampling, salt, context):
                 yield message
         finally:
             self.num_in_flight -= 1
+            self._request_ids.discard(request_id)
 
     async def _route(self, request_id: str, prompt: list[int], salt: str | None) -> Route:
         hashes = hash_prompt_blocks(
@@ -223,8 +250,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     yield reply
             raise PdserveError("the decode stream ended without a finish reason")
         except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc, f"decode worker {decode_id}")
-            if relay.generated:
+            error = _downstream_error(exc, f"decode worker {decode_id}")
+            if relay.generated and not isinstance(error, asyncio.TimeoutError):
                 # Tokens already reached the client: close the stream's accounting first.
                 ending = gateway_pb2.GenerateResponse(request_id=relay.request_id)
                 yield relay.finish(ending, common_pb2.FINISH_REASON_ERROR)
@@ -257,20 +284,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             response: prefill_pb2.PrefillResponse = await call
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, f"prefill worker {worker.worker_id}") from exc
+            raise _downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
         except asyncio.CancelledError:
             call.cancel()
+            self._in_background(self._release_if_leased(call))
             raise
         finally:
             self.router.in_flight[worker.worker_id] -= 1
         relay.queue_ms += response.queue_ms
         return response
 
+    async def _release_if_leased(self, call: grpc.aio.UnaryUnaryCall) -> None:
+        """A Prefill call given up on may have finished all the same (its response arrived
+        before the cancel): then nobody else knows its lease, so release it here."""
+        try:
+            response: prefill_pb2.PrefillResponse = await call
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            return  # the worker aborted the request and freed its blocks
+        if response.HasField("kv_handle"):
+            await self._release(response.kv_handle)
+
+    async def _release(self, handle: common_pb2.KvHandle) -> None:
+        await release_lease(self.channels.get(handle.producer_address), handle.lease_id)
+
     def _release_later(self, handle: common_pb2.KvHandle) -> None:
         """Hands a lease back when no decode will pull it (cancellation, early stop)."""
-        task = asyncio.create_task(
-            release_lease(self.channels.get(handle.producer_address), handle.lease_id)
-        )
+        self._in_background(self._release(handle))
+
+    def _in_background(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -284,7 +326,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.GetModelInfoResponse(
             model=self.model,
             architecture=self.spec.architecture,
-            max_context_tokens=self.max_model_len,
+            max_context_tokens=await self._context_limit(),
             vocab_size=self.spec.vocab_size,
             eos_token_ids=list(self.spec.eos_token_ids),
             has_chat_template=self.tokenizer.has_chat_template,
@@ -318,6 +360,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for task in list(self._background):
             await asyncio.wait([task], timeout=2.0)
         await self.channels.close()
+
+
+def _downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
+    """What to answer when a worker call fails. The caller's deadline, passed down, expires
+    there first: that stays DEADLINE_EXCEEDED (tokens sent stand), not a server fault."""
+    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return asyncio.TimeoutError(f"{what}: the deadline passed")
+    return from_rpc_error(exc, what)
 
 
 def _first_logprob(response: prefill_pb2.PrefillResponse) -> list[common_pb2.TokenLogprob]:
