@@ -131,7 +131,7 @@ def engine_run(
 # -- KV transfer --------------------------------------------------------------------------------
 
 
-def _serve_kv(num_blocks: int, port_queue: mp.Queue) -> None:  # type: ignore[type-arg]
+def _serve_kv(num_blocks: int, port_queue: mp.Queue) -> None:
     from common.kv.layout import KvLayout
     from common.kv.leases import LeaseTable
     from common.kv.transfer import KvTransferServicer
@@ -160,7 +160,7 @@ def _serve_kv(num_blocks: int, port_queue: mp.Queue) -> None:  # type: ignore[ty
     asyncio.run(main())
 
 
-def _serve_tcp(num_bytes: int, port_queue: mp.Queue) -> None:  # type: ignore[type-arg]
+def _serve_tcp(num_bytes: int, port_queue: mp.Queue) -> None:
     payload = os.urandom(num_bytes)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -211,7 +211,7 @@ def tcp_gbps(port: int, num_bytes: int, repeats: int) -> float:
 
 def kv_transfer(num_blocks: int, repeats: int) -> None:
     ctx = mp.get_context("spawn")
-    ports: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    ports: mp.Queue = ctx.Queue()
     grpc_server = ctx.Process(target=_serve_kv, args=(num_blocks, ports), daemon=True)
     grpc_server.start()
     port, lease_id = ports.get(timeout=120)

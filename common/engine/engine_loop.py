@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -78,7 +78,7 @@ class EngineLoop:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Adds a request and yields its outputs until it finishes.
 
         Errors from ``add_request`` (bad input, full queue, a request_id in flight, ...) raise

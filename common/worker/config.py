@@ -32,6 +32,11 @@ class WorkerConfig:
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.engine.kv_dtype in ("int8", "fp8"):
+            raise ValueError(
+                f"--kv-dtype {self.engine.kv_dtype}: workers exchange KV in the wire layout, which "
+                "does not carry quantization scales yet; serve float KV (auto/float32/bfloat16/float16)"
+            )
         if self.lease_ttl_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("lease_ttl_s and heartbeat_s must be positive")
 

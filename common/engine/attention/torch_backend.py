@@ -7,8 +7,8 @@ K/V, exactly like a dense causal forward, unless the cache is quantized: then ev
 reads the dequantized cache, as the Triton kernels do, so a prefix-cache hit or a chunk
 boundary never changes what a token sees).
 
-The norm and rotary ops are Hugging Face's own arithmetic, so the torch path matches
-transformers bit for bit in float32.
+The norm and rotary ops repeat Hugging Face's arithmetic operation for operation (same
+roundings, same order), so the torch path stays the numerical reference for transformers.
 """
 
 from __future__ import annotations
