@@ -1,7 +1,7 @@
 """Attention over the paged KV cache in plain torch: the CPU path and the reference seam.
 
 Shapes: see base.py. Decode sequences are batched by gathering their blocks into a padded
-[Bd, M*S, Hkv, D] view and masking; prefill chunks run one sequence at a time through
+[Bd, Hkv, M*S, D] view and masking; prefill chunks run one sequence at a time through
 ``scaled_dot_product_attention`` (a chunk with no cached prefix attends to its own fresh
 K/V, exactly like a dense causal forward, unless the cache is quantized: then every query
 reads the dequantized cache, as the Triton kernels do, so a prefix-cache hit or a chunk
@@ -122,13 +122,14 @@ class TorchAttentionBackend:
         dtype = q.dtype if kv.quantized else kv.k_cache.dtype
         keys = gather_blocks(kv.k_cache, kv.k_scale, block_ids, dtype)  # [Bd, Md, S, Hkv, D]
         values = gather_blocks(kv.v_cache, kv.v_scale, block_ids, dtype)
-        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # [Bd, Md*S, Hkv, D]
-        # Query heads of a group share their kv head: [Bd, Hkv, G, D] against [Bd, Hkv, ctx, D].
+        keys = keys.flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, Md*S, D], a strided view
+        values = values.flatten(1, 2).transpose(1, 2)
+        # The G query heads sharing a kv head act as G query rows against that head's keys:
+        # GQA without copying K/V per query head, one fused kernel for the whole group.
         q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
-        scores = torch.matmul(q_grouped, keys.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, ctx]
-        scores = scores.float().masked_fill(~metadata.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [Bd, Hkv, G, D]
+        out = F.scaled_dot_product_attention(
+            q_grouped, keys, values, attn_mask=metadata.decode_mask, scale=scale
+        )  # [Bd, Hkv, G, D]
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
