@@ -146,7 +146,8 @@ def _serve_kv(num_blocks: int, port_queue: mp.Queue) -> None:
             return None
 
         leases = LeaseTable(3600, nothing)
-        lease = leases.create("bench", num_blocks * 16, list(range(1, num_blocks + 1)), data)
+        lease = await leases.create("bench", num_blocks * 16, list(range(1, num_blocks + 1)), data)
+        assert lease is not None
         server = await create_server(
             "127.0.0.1:0",
             lambda s: kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(

@@ -44,7 +44,11 @@ class EngineLoop:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # where each request's outputs go
+        # Which consumer owns each request id, until it has taken the final output. Outlives
+        # _streams: a final output already dispatched but not yet consumed (a prefill-only
+        # request's KV, held) must still be aborted if its consumer goes away.
+        self._owners: dict[str, _Stream] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
@@ -95,11 +99,17 @@ class EngineLoop:
                 return  # the caller is gone already: never admit it
             engine.add_request(request_id, prompt_token_ids, sampling, **kwargs)
             self._streams[request_id] = stream
+            self._owners[request_id] = stream
 
         def abort_own() -> None:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            if self._owners.get(request_id) is stream:
+                del self._owners[request_id]
+                self._streams.pop(request_id, None)
                 self.engine.abort(request_id)
+
+        def disown() -> None:
+            if self._owners.get(request_id) is stream:
+                del self._owners[request_id]
 
         finished = False
         try:
@@ -115,8 +125,8 @@ class EngineLoop:
         finally:
             if not finished:
                 left.set()
-                self._commands.put(abort_own)
-                self._wake.set()
+            self._commands.put(disown if finished else abort_own)
+            self._wake.set()
 
     def submit(self, fn: Callable[[Engine], object]) -> None:
         """Runs ``fn(engine)`` on the engine thread soon; fire and forget (safe from
@@ -131,6 +141,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> bool:
         self._streams.pop(request_id, None)
+        self._owners.pop(request_id, None)
         return self.engine.abort(request_id)
 
     def _run(self) -> None:
@@ -176,6 +187,7 @@ class EngineLoop:
             self.engine.abort(request_id)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
         self._streams.clear()
+        self._owners.clear()
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:

@@ -118,3 +118,14 @@ def test_cli_generate_and_status_json(stack: Stack) -> None:
             "waiting",
             "prefix_cache_hit_rate",
         }
+
+
+def test_tenants_with_different_salts_never_share_cached_prefixes(stack: Stack) -> None:
+    prompt = "Audit memo 8812-Z. " + passage(12, offset=2)
+    (a1,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-a")
+    (b1,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-b")
+    (a2,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-a")
+    assert a1.cached_tokens == 0 and b1.cached_tokens == 0
+    assert a2.cached_tokens >= 160
+    assert a1.token_ids == b1.token_ids == a2.token_ids
+    stack.wait_all_free()

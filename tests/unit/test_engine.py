@@ -178,3 +178,16 @@ def test_stop_token_and_length_finish(ckpt: Path) -> None:
     tokens = [t for o in outs for t in o.new_token_ids]
     assert tokens == free_run[: free_run.index(stop_at) + 1]
     assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_cache_salts_never_share_blocks(ckpt: Path) -> None:
+    (prompt,) = random_prompts(384, [70], seed=9)
+    engine = tiny_engine(ckpt)
+    run_to_completion(engine, {"a1": prompt}, GREEDY, cache_salt="tenant-a")
+    assert engine.kv.prefix_hit_tokens == 0
+    run_to_completion(engine, {"b1": prompt}, GREEDY, cache_salt="tenant-b")
+    assert engine.kv.prefix_hit_tokens == 0  # another tenant's identical prompt: no hit
+    run_to_completion(engine, {"n1": prompt}, GREEDY)
+    assert engine.kv.prefix_hit_tokens == 0  # nor for unsalted requests
+    run_to_completion(engine, {"a2": prompt}, GREEDY, cache_salt="tenant-a")
+    assert engine.kv.prefix_hit_tokens == 64  # the same tenant hits its own 4 full blocks

@@ -124,3 +124,24 @@ def test_a_duplicate_request_id_leaves_the_first_stream_running(tiny_dir: Path) 
         return received + await asyncio.wait_for(rest(), timeout=5)
 
     assert run_with_runtime(tiny_dir, body) == 12
+
+
+def test_a_final_output_never_consumed_still_frees_the_held_kv(tiny_dir: Path) -> None:
+    """The prefill finishes (its KV held) and the output is on its way, but the consumer is
+    cancelled before it takes it: nobody will lease that KV, so it must be released."""
+
+    async def body(runtime: WorkerRuntime) -> EngineStats:
+        task = asyncio.create_task(
+            consume(runtime.loop.generate("r1", PROMPT, PREFILL_ONLY, prefill_only=True))
+        )
+        await asyncio.sleep(0)  # the consumer submits its add and waits for the answer
+        time.sleep(1.0)  # block the event loop: the engine adds, prefills, dispatches
+        assert runtime.engine.held, "the prefill should have finished by now"
+        task.cancel()  # before the loop ever hands the output to the consumer
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await settled_stats(runtime)
+
+    stats = run_with_runtime(tiny_dir, body)
+    assert stats.num_held == 0
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total

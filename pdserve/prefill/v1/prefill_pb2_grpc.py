@@ -71,7 +71,8 @@ class PrefillServiceServicer:
         INVALID_ARGUMENT: empty request_id or prompt_token_ids, a token id
         outside the vocabulary, a prompt that fills the context window, or
         sampling values out of range; the message names the field.
-        ALREADY_EXISTS: a request with this request_id is in flight here.
+        ALREADY_EXISTS: a request with this request_id is in flight here, or
+        a lease with this lease_id exists.
         RESOURCE_EXHAUSTED: the waiting queue is full, or the prompt needs
         more KV blocks than the pool holds; answered at once.
         CANCELLED: the caller cancelled; the request's blocks are freed.
