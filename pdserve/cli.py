@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
+from common.telemetry.logs import configure_logging
 from pdserve.commands import blockstore, chat, convert, gateway, generate, status, up, worker
 
 COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert)
@@ -27,11 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OSError) as exc:

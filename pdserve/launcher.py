@@ -37,6 +37,14 @@ class Child:
     pid: int
     address: str
     log: str
+    metrics_port: int = 0  # its Prometheus endpoint on the address's host; 0 = none
+
+    @property
+    def metrics_url(self) -> str | None:
+        if not self.metrics_port:
+            return None
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -82,7 +90,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def spawn(
-    name: str, role: str, argv: list[str], address: str, logs: Path
+    name: str, role: str, argv: list[str], address: str, logs: Path, metrics_port: int = 0
 ) -> tuple[Child, subprocess.Popen[bytes]]:
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name}.log"
@@ -94,7 +102,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # survives the launcher with --detach; not hit by its ^C
         )
-    return Child(name, role, process.pid, address, str(log_path)), process
+    return Child(name, role, process.pid, address, str(log_path), metrics_port), process
 
 
 def start_redis(port: int, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:

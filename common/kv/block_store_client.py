@@ -14,20 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from typing import NoReturn, TypeVar
 
 import grpc
 import torch
+from opentelemetry.trace import Span, SpanKind
 
 from common.errors import DataLossError, InvalidRequestError, PdserveError
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import BlockAssembler, KvLayout, block_chunks
 from common.rpc.channels import create_channel
 from common.rpc.errors import from_rpc_error
+from common.rpc.tracing import outgoing_metadata, record_error
+from common.telemetry.tracing import tracer
 from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
 
 ABORT_TIMEOUT_S = 2.0
+SERVICE = block_store_pb2.DESCRIPTOR.services_by_name["BlockStoreService"].full_name
 
 T = TypeVar("T")
 
@@ -58,6 +62,21 @@ class BlockStoreClient:
         self._check_blocks(block_hashes, blocks)
         if not block_hashes:
             return 0
+        with self._span("put", len(block_hashes)) as span:
+            committed, num_sent = await self._put(block_hashes, blocks, timeout_s)
+            span.set_attributes(
+                {
+                    "pdserve.kv.blocks_sent": num_sent,
+                    "pdserve.kv.bytes": num_sent * self.layout.bytes_per_block,
+                    "pdserve.kv.blocks_committed": committed,
+                }
+            )
+        return committed
+
+    async def _put(
+        self, block_hashes: Sequence[int], blocks: torch.Tensor, timeout_s: float | None
+    ) -> tuple[int, int]:
+        """(blocks committed, blocks sent)."""
         deadline = _Deadline(timeout_s)
         begin = await self._call(
             "BeginPut",
@@ -69,10 +88,11 @@ class BlockStoreClient:
                     hash_scheme_version=self.hash_scheme_version,
                 ),
                 timeout=deadline.left(),
+                metadata=outgoing_metadata(),
             ),
         )
         if not begin.put_id:
-            return 0
+            return 0, 0
         try:
             indexes = _first_indexes(block_hashes, begin.missing_block_hashes)
             blocks = blocks.detach().to("cpu")
@@ -81,18 +101,21 @@ class BlockStoreClient:
                 self._stub.PutBlocks(
                     _put_requests(begin.put_id, blocks, block_hashes, indexes),
                     timeout=deadline.left(),
+                    metadata=outgoing_metadata(),
                 ),
             )
             commit = await self._call(
                 "CommitPut",
                 self._stub.CommitPut(
-                    block_store_pb2.CommitPutRequest(put_id=begin.put_id), timeout=deadline.left()
+                    block_store_pb2.CommitPutRequest(put_id=begin.put_id),
+                    timeout=deadline.left(),
+                    metadata=outgoing_metadata(),
                 ),
             )
         except BaseException:
             await self._abort(begin.put_id)
             raise
-        return int(commit.num_blocks_committed)
+        return int(commit.num_blocks_committed), len(indexes)
 
     async def get(
         self, block_hashes: Sequence[int], timeout_s: float | None = None
@@ -104,6 +127,12 @@ class BlockStoreClient:
         """
         if not block_hashes:
             return torch.empty(0, *self.layout.block_shape, dtype=self.layout.dtype)
+        with self._span("get", len(block_hashes)) as span:
+            data = await self._get(block_hashes, timeout_s)
+            span.set_attribute("pdserve.kv.bytes", data.numel() * data.element_size())
+        return data
+
+    async def _get(self, block_hashes: Sequence[int], timeout_s: float | None) -> torch.Tensor:
         assembler = BlockAssembler(self.layout, len(block_hashes))
         call = self._stub.GetBlocks(
             block_store_pb2.GetBlocksRequest(
@@ -112,6 +141,7 @@ class BlockStoreClient:
                 hash_scheme_version=self.hash_scheme_version,
             ),
             timeout=timeout_s,
+            metadata=outgoing_metadata(),
         )
         try:
             async for response in call:
@@ -131,21 +161,46 @@ class BlockStoreClient:
         """How many leading blocks of ``block_hashes`` the store holds."""
         if not block_hashes:
             return 0
-        response = await self._call(
-            "ContainsBlocks",
-            self._stub.ContainsBlocks(
-                block_store_pb2.ContainsBlocksRequest(
-                    block_hashes=list(block_hashes),
-                    model=self.model,
-                    hash_scheme_version=self.hash_scheme_version,
+        with self._span("contains", len(block_hashes)) as span:
+            response = await self._call(
+                "ContainsBlocks",
+                self._stub.ContainsBlocks(
+                    block_store_pb2.ContainsBlocksRequest(
+                        block_hashes=list(block_hashes),
+                        model=self.model,
+                        hash_scheme_version=self.hash_scheme_version,
+                    ),
+                    timeout=timeout_s,
+                    metadata=outgoing_metadata(),
                 ),
-                timeout=timeout_s,
-            ),
-        )
+            )
+            span.set_attribute("pdserve.kv.blocks_present", response.num_prefix_present)
         return int(response.num_prefix_present)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    @contextlib.contextmanager
+    def _span(self, operation: str, num_blocks: int) -> Iterator[Span]:
+        """A CLIENT span ``blockstore.<operation>``, current while its RPCs run (their
+        metadata carries it); errors mark it and propagate."""
+        with tracer().start_as_current_span(
+            f"blockstore.{operation}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": SERVICE,
+                "server.address": self.target,
+                "pdserve.kv.num_blocks": num_blocks,
+            },
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except BaseException as exc:
+                record_error(span, exc)
+                raise
 
     def _check_blocks(self, block_hashes: Sequence[int], blocks: torch.Tensor) -> None:
         expected = (len(block_hashes), *self.layout.block_shape)
@@ -164,7 +219,9 @@ class BlockStoreClient:
         """Best effort: the store also expires puts nobody finishes."""
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await self._stub.AbortPut(
-                block_store_pb2.AbortPutRequest(put_id=put_id), timeout=ABORT_TIMEOUT_S
+                block_store_pb2.AbortPutRequest(put_id=put_id),
+                timeout=ABORT_TIMEOUT_S,
+                metadata=outgoing_metadata(),
             )
 
 

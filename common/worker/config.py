@@ -25,13 +25,15 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     drain_grace_s: float = 10.0
     index_ttl_s: int = 600
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.engine.kv_dtype in ("int8", "fp8"):
             raise ValueError(
                 f"--kv-dtype {self.engine.kv_dtype}: workers exchange KV in the wire layout, which "

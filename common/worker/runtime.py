@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
@@ -24,8 +27,12 @@ from common.kv.block_store_client import BlockStoreClient
 from common.kv.hashing import hash_prompt_blocks
 from common.kv.layout import KvLayout
 from common.kv.leases import LeaseTable
+from common.kv.pull import transfer_attributes
 from common.rpc.channels import ChannelPool
+from common.rpc.tracing import record_error
+from common.telemetry.tracing import tracer
 from common.worker.config import WorkerConfig
+from common.worker.metrics import BLOCK_STORE, RECEIVED, SENT, WorkerMetrics
 from pdserve.common.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -34,7 +41,12 @@ ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKE
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Engine,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.model = config.served_model_name
@@ -49,6 +61,8 @@ class WorkerRuntime:
         )
         self.tier = engine.runner.device.type
         self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
+        self.metrics = WorkerMetrics(metrics_registry or CollectorRegistry(), self.model)
+        self.metrics.watch_engine(self.loop, self.leases)
         self.channels = ChannelPool()
         self.redis: Any = None
         self.index: PrefixIndex | None = None
@@ -133,10 +147,12 @@ class WorkerRuntime:
                     )
                 )
                 await self.index.remove(self.worker_id, [int(h) for h in evicted])
+                self.metrics.redis.ok()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("heartbeat to Redis failed: %s", exc)
+                self.metrics.redis.failed("heartbeat")
             await asyncio.sleep(self.config.heartbeat_s)
 
     # -- KV bookkeeping -------------------------------------------------------------------------
@@ -164,6 +180,7 @@ class WorkerRuntime:
         try:
             await self.index.publish(self.worker_id, block_hashes, self.tier)
         except Exception as exc:
+            self.metrics.redis.failed("index_publish")
             log.warning(
                 "publishing %d blocks to the prefix index failed: %s", len(block_hashes), exc
             )
@@ -172,10 +189,22 @@ class WorkerRuntime:
         """Writes full blocks to the block store (two-phase put; existing ones skipped)."""
         if self.store is None or not block_hashes:
             return
+        start = time.perf_counter()
         try:
-            await self.store.put(block_hashes, data[: len(block_hashes)], timeout_s=30.0)
+            num_written = await self.store.put(
+                block_hashes, data[: len(block_hashes)], timeout_s=30.0
+            )
         except Exception as exc:
+            self.metrics.transfer_failed(BLOCK_STORE, SENT)
             log.warning("writing %d blocks to the block store failed: %s", len(block_hashes), exc)
+            return
+        self.metrics.transferred(
+            BLOCK_STORE,
+            SENT,
+            num_written * self.layout.bytes_per_block,
+            num_written,
+            time.perf_counter() - start,
+        )
 
     async def import_from_store(
         self, token_ids: list[int], cache_salt: str | None, timeout_s: float | None
@@ -187,17 +216,31 @@ class WorkerRuntime:
         hashes = self.block_hashes(token_ids, cache_salt)[: (len(token_ids) - 1) // block_size]
         if not hashes:
             return None
-        try:
-            local = await self.loop.call(
-                lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
+        with tracer().start_as_current_span("kv_import") as span:
+            span.set_attributes(
+                {"pdserve.kv.source": BLOCK_STORE, "pdserve.kv.num_blocks_wanted": len(hashes)}
             )
-            present = await self.store.contains(hashes, timeout_s=timeout_s)
-            if present * block_size <= local:
+            try:
+                local = await self.loop.call(
+                    lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
+                )
+                present = await self.store.contains(hashes, timeout_s=timeout_s)
+                span.set_attributes(
+                    {"pdserve.kv.local_tokens": local, "pdserve.kv.store_blocks": present}
+                )
+                if present * block_size <= local:
+                    return None
+                start = time.perf_counter()
+                data = await self.store.get(hashes[:present], timeout_s=timeout_s)
+            except Exception as exc:
+                self.metrics.transfer_failed(BLOCK_STORE, RECEIVED)
+                record_error(span, exc)
+                log.warning("block store lookup failed, computing instead: %s", exc)
                 return None
-            data = await self.store.get(hashes[:present], timeout_s=timeout_s)
-        except Exception as exc:
-            log.warning("block store lookup failed, computing instead: %s", exc)
-            return None
+            seconds = time.perf_counter() - start
+            num_bytes = data.numel() * data.element_size()
+            self.metrics.transferred(BLOCK_STORE, RECEIVED, num_bytes, present, seconds)
+            span.set_attributes(transfer_attributes(num_bytes, present, seconds))
         return KvImport(present * block_size, data)
 
     async def _release_engine_blocks(self, request_id: str) -> None:

@@ -7,10 +7,14 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine
 from common.kv.transfer import KvTransferServicer
+from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, create_server, serve_until_signal
+from common.telemetry.metrics import process_registry, start_metrics_server
+from common.telemetry.tracing import setup_tracing
 from common.worker.config import WorkerConfig
 from common.worker.runtime import WorkerRuntime
 from pdserve.kv.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -21,11 +25,15 @@ AddServicers = Callable[[grpc.aio.Server, WorkerRuntime], list[str]]
 
 
 async def start_worker(
-    config: WorkerConfig, add_servicers: AddServicers
+    config: WorkerConfig,
+    add_servicers: AddServicers,
+    metrics_registry: CollectorRegistry | None = None,
 ) -> tuple[Server, WorkerRuntime]:
-    """Loads the engine, binds, starts the runtime, then reports SERVING."""
+    """Loads the engine, binds, starts the runtime, then reports SERVING. Metrics go to
+    ``metrics_registry`` (default: a registry of its own, ``runtime.metrics.registry``)."""
     engine = await asyncio.to_thread(Engine, config.engine)
-    runtime = WorkerRuntime(config, engine)
+    metrics_registry = metrics_registry or CollectorRegistry()
+    runtime = WorkerRuntime(config, engine, metrics_registry)
 
     def register(server: grpc.aio.Server) -> None:
         kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(
@@ -34,13 +42,32 @@ async def start_worker(
         names.extend(add_servicers(server, runtime))
 
     names = [kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransferService"].full_name]
-    server = await create_server(f"{config.host}:{config.port}", register, names, serving=False)
+    server = await create_server(
+        f"{config.host}:{config.port}",
+        register,
+        names,
+        interceptors=[TelemetryInterceptor(RpcMetrics(metrics_registry))],
+        serving=False,
+    )
     await runtime.start(server.port)
     await server.set_serving(True)
     return server, runtime
 
 
 async def serve_worker(config: WorkerConfig, add_servicers: AddServicers) -> None:
-    server, runtime = await start_worker(config, add_servicers)
-    print(f"{config.role} worker {runtime.worker_id} serving at {runtime.address}", flush=True)
-    await serve_until_signal(server, config.drain_grace_s, on_stop=runtime.stop)
+    """The worker process: tracing from OTEL_*, metrics at --metrics-port, until SIGTERM."""
+    tracing = setup_tracing(config.role, config.worker_id)
+    metrics_registry = process_registry()
+    metrics_server = None
+    try:
+        if config.metrics_port:
+            metrics_server = start_metrics_server(
+                config.host, config.metrics_port, metrics_registry
+            )
+        server, runtime = await start_worker(config, add_servicers, metrics_registry)
+        print(f"{config.role} worker {runtime.worker_id} serving at {runtime.address}", flush=True)
+        await serve_until_signal(server, config.drain_grace_s, on_stop=runtime.stop)
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from pdserve.commands.telemetry_args import add_metrics_port_arg
 from services.blockstore.config import DEFAULT_PORT, BlockStoreConfig
 
 
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--put-expiry-s", type=float, default=None, help="abort puts left open this long (30)"
     )
+    add_metrics_port_arg(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BlockStoreConfig:
@@ -48,6 +50,7 @@ def config_from_args(args: argparse.Namespace) -> BlockStoreConfig:
         worker_id=args.worker_id,
         advertise=args.advertise,
         put_expiry_s=args.put_expiry_s,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 
+from pdserve.commands.telemetry_args import add_metrics_port_arg
 from services.gateway.config import GatewayConfig
 
 
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-in-flight", type=int, default=1024)
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
+    add_metrics_port_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -51,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_in_flight=args.max_in_flight,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
+        metrics_port=args.metrics_port,
     )
 
 

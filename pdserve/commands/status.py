@@ -9,8 +9,10 @@ import sys
 
 import grpc
 
+from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient
 from pdserve.common.v1 import common_pb2
+from pdserve.launcher import StackState, run_dir
 
 ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
@@ -27,13 +29,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def metrics_urls() -> dict[str, str]:
+    """Address -> Prometheus endpoint of each process that ``pdserve up`` started here."""
+    state = StackState.load(run_dir() / "stack.json")
+    if state is None:
+        return {}
+    return {c.address: c.metrics_url for c in state.children if c.metrics_url}
+
+
+def summarize(samples: Samples) -> dict[str, float]:
+    """The figures ``pdserve status`` shows from a process's metrics (what it has of them)."""
+    figures: dict[str, float] = {}
+    for key, name in (
+        ("requests", "pdserve:request_success_total"),
+        ("prompt_tokens", "pdserve:prompt_tokens_total"),
+        ("generation_tokens", "pdserve:generation_tokens_total"),
+        ("prefix_cache_queries", "pdserve:prefix_cache_queries_total"),
+        ("prefix_cache_hits", "pdserve:prefix_cache_hits_total"),
+        ("kv_cache_usage_perc", "pdserve:kv_cache_usage_perc"),
+        ("kv_transfer_bytes", "pdserve:kv_transfer_bytes_total"),
+        ("blockstore_blocks", "pdserve:blockstore_blocks"),
+    ):
+        if samples.has(name):
+            figures[key] = samples.sum(name)
+    count = samples.sum("pdserve:time_to_first_token_seconds_count")
+    if count:
+        figures["ttft_mean_s"] = samples.sum("pdserve:time_to_first_token_seconds_sum") / count
+    return figures
+
+
+async def _metrics_of(url: str | None) -> dict[str, float] | None:
+    if url is None:
+        return None
+    try:
+        return summarize(await asyncio.to_thread(scrape, url))
+    except (OSError, ValueError):
+        return None
+
+
 async def fetch(target: str) -> list[dict[str, object]]:
     client = GatewayClient(target)
     try:
         reply = await client.cluster_status()
     finally:
         await client.close()
-    return [
+    urls = metrics_urls()
+    figures = await asyncio.gather(*(_metrics_of(urls.get(w.address)) for w in reply.workers))
+    workers: list[dict[str, object]] = [
         {
             "id": w.worker_id,
             "role": ROLE_NAMES.get(w.role, "unknown"),
@@ -47,6 +89,10 @@ async def fetch(target: str) -> list[dict[str, object]]:
         }
         for w in reply.workers
     ]
+    for worker, metrics in zip(workers, figures, strict=True):
+        if metrics is not None:
+            worker["metrics"] = metrics
+    return workers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,10 +104,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(workers, indent=2))
         return 0
-    header = f"{'id':<14} {'role':<10} {'address':<22} {'kv free/total':>15} {'run':>4} {'wait':>5} {'hit rate':>8}"
+    header = (f"{'id':<14} {'role':<10} {'address':<22} {'kv free/total':>15} {'run':>4} "
+              f"{'wait':>5} {'hit rate':>8} {'requests':>8} {'prompt tok':>10} {'gen tok':>8} "
+              f"{'ttft ms':>8}")  # fmt: skip
     print(header)
     for w in workers:
         blocks = f"{w['kv_blocks_free']}/{w['kv_blocks_total']}" if w["kv_blocks_total"] else "-"
+        m: dict[str, float] = w.get("metrics") or {}  # type: ignore[assignment]
+        ttft = f"{m['ttft_mean_s'] * 1000:.1f}" if "ttft_mean_s" in m else "-"
         print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {blocks:>15} "
-              f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8}")  # fmt: skip
+              f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
+              f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "
+              f"{_count(m, 'generation_tokens'):>8} {ttft:>8}")  # fmt: skip
     return 0
+
+
+def _count(figures: dict[str, float], key: str) -> str:
+    return str(int(figures[key])) if key in figures else "-"

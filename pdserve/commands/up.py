@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.launcher import (
@@ -48,6 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--attention-backend", default=None)
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus endpoints: the gateway's at this port, every other process's at the "
+        "next ones in start order; 0 = off; default: free ports (pdserve status reads them)",
+    )
     up.set_defaults(func=run_up)
 
     down = subparsers.add_parser("down", help="stop the stack started by pdserve up")
@@ -61,6 +69,20 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
+    """The metrics port of each process in start order (all 0 when off). With a base port
+    the gateway, started last, takes the base and the others the ports after it."""
+    if args.metrics_port is None:
+        while True:
+            yield free_port()
+    if args.metrics_port == 0:
+        while True:
+            yield 0
+    num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1)
+    yield from range(args.metrics_port + 1, args.metrics_port + 1 + num_others)
+    yield args.metrics_port
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -78,8 +100,12 @@ def run_up(args: argparse.Namespace) -> int:
     state = StackState(started_unix_s=time.time())
     processes: dict[str, subprocess.Popen[bytes] | None] = {}
 
+    metrics_ports = _metrics_ports(args)
+
     def launch(name: str, role: str, argv: list[str], address: str) -> Child:
-        child, process = spawn(name, role, argv, address, logs)
+        metrics_port = next(metrics_ports)
+        argv = [*argv, "--metrics-port", str(metrics_port)]
+        child, process = spawn(name, role, argv, address, logs, metrics_port)
         state.children.append(child)
         processes[name] = process
         state.save(state_path)
@@ -121,7 +147,9 @@ def run_up(args: argparse.Namespace) -> int:
         state.save(state_path)
         for child in [*workers, gateway]:
             wait_serving(child.address, processes.get(child.name), child, args.timeout_s)
-            print(f"  {child.name:<12} {child.address:<22} SERVING (pid {child.pid})", flush=True)
+            metrics = f", metrics {child.metrics_url}" if child.metrics_url else ""
+            print(f"  {child.name:<12} {child.address:<22} SERVING (pid {child.pid}{metrics})",
+                  flush=True)  # fmt: skip
     except BaseException as exc:
         print(f"pdserve up: {exc}; stopping what started", file=sys.stderr)
         stop_children(state.children)

@@ -25,12 +25,14 @@ class BlockStoreConfig:
     heartbeat_s: float = 1.0
     index_ttl_s: int = 600  # TTL of the store's prefix-index entries; refreshed every ttl / 2
     drain_grace_s: float = 10.0
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:
             raise ValueError(f"capacity must be at least 1 byte, got {self.capacity_bytes}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("put_expiry_s", "heartbeat_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -14,12 +14,17 @@ import logging
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from common.index.registry import WorkerInfo, WorkerRegistry
+from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, create_server, serve_until_signal
+from common.telemetry.metrics import process_registry, start_metrics_server
+from common.telemetry.tracing import setup_tracing
 from pdserve.kv.v1 import block_store_pb2_grpc
 from services.blockstore.config import BlockStoreConfig
 from services.blockstore.index_sync import IndexSync
+from services.blockstore.metrics import BlockStoreMetrics
 from services.blockstore.servicer import SERVICE_NAME, BlockStoreServicer
 from services.blockstore.store import BlockStore
 
@@ -32,9 +37,14 @@ REDIS_CLEANUP_S = 5.0
 
 class BlockStoreProcess:
     def __init__(
-        self, config: BlockStoreConfig, server: Server, servicer: BlockStoreServicer
+        self,
+        config: BlockStoreConfig,
+        server: Server,
+        servicer: BlockStoreServicer,
+        metrics: BlockStoreMetrics,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.server = server
         self.servicer = servicer
         self.store = servicer.store
@@ -113,8 +123,10 @@ class BlockStoreProcess:
         while True:
             try:
                 await self.registry.heartbeat(self.worker_info())
+                self.metrics.redis.ok()
             except Exception as exc:
                 log.warning("heartbeat to Redis failed: %s", exc)
+                self.metrics.redis.failed("heartbeat")
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _expire_puts_forever(self) -> None:
@@ -128,18 +140,28 @@ class BlockStoreProcess:
         self._tasks.append(asyncio.create_task(coro))
 
 
-async def start(config: BlockStoreConfig) -> BlockStoreProcess:
-    """Binds ``config.bind_address`` (port 0 picks a free port) and starts serving."""
+async def start(
+    config: BlockStoreConfig, metrics_registry: CollectorRegistry | None = None
+) -> BlockStoreProcess:
+    """Binds ``config.bind_address`` (port 0 picks a free port) and starts serving. Metrics
+    go to ``metrics_registry`` (default: a registry of its own, ``process.metrics``)."""
     store = BlockStore(config.capacity_bytes, config.put_expiry_s)
     servicer = BlockStoreServicer(store, worker_id="", address="")
+    metrics = BlockStoreMetrics(metrics_registry or CollectorRegistry())
+    metrics.watch_store(store, asyncio.get_running_loop())
 
     def register(server: grpc.aio.Server) -> None:
         block_store_pb2_grpc.add_BlockStoreServiceServicer_to_server(servicer, server)
 
-    server = await create_server(config.bind_address, register, [SERVICE_NAME])
+    server = await create_server(
+        config.bind_address,
+        register,
+        [SERVICE_NAME],
+        interceptors=[TelemetryInterceptor(RpcMetrics(metrics.registry))],
+    )
     servicer.worker_id = config.resolved_worker_id(server.port)
     servicer.address = config.advertised_address(server.port)
-    process = BlockStoreProcess(config, server, servicer)
+    process = BlockStoreProcess(config, server, servicer, metrics)
     try:
         await process.start_background()
     except BaseException:
@@ -157,5 +179,19 @@ async def start(config: BlockStoreConfig) -> BlockStoreProcess:
 
 
 async def serve(config: BlockStoreConfig) -> None:
-    process = await start(config)
-    await serve_until_signal(process.server, config.drain_grace_s, on_stop=process.close)
+    """The block store process: tracing from OTEL_*, metrics at --metrics-port, until
+    SIGTERM."""
+    tracing = setup_tracing(ROLE, config.worker_id)
+    metrics_registry = process_registry()
+    metrics_server = None
+    try:
+        if config.metrics_port:
+            metrics_server = start_metrics_server(
+                config.host, config.metrics_port, metrics_registry
+            )
+        process = await start(config, metrics_registry)
+        await serve_until_signal(process.server, config.drain_grace_s, on_stop=process.close)
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

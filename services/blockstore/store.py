@@ -93,6 +93,8 @@ class StoreStats:
     num_expired_puts: int
     bytes_per_block: dict[str, int]  # per model held
     prefix_hit_rate: float  # blocks found / blocks looked up by ``contains``
+    num_blocks_looked_up: int  # by ``contains``, since start
+    num_blocks_found: int
 
 
 class StoreListener(Protocol):
@@ -337,6 +339,8 @@ class BlockStore:
             num_expired_puts=self.num_expired_puts,
             bytes_per_block={m: s.layout.bytes_per_block for m, s in self._models.items()},
             prefix_hit_rate=self._num_found / self._num_looked_up if self._num_looked_up else 0.0,
+            num_blocks_looked_up=self._num_looked_up,
+            num_blocks_found=self._num_found,
         )
 
     # -- internals ----------------------------------------------------------------------------

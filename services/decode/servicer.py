@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
+from common.engine.engine import RequestOutput
 from common.engine.request import KvImport
 from common.engine.sampling_params import SamplingParams
 from common.errors import (
@@ -20,9 +24,14 @@ from common.errors import (
 )
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import KvLayout
-from common.kv.pull import pull_kv, release_lease
+from common.kv.pull import pull_kv, release_lease, transfer_attributes
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
+from common.rpc.tracing import record_error
+from common.telemetry.logs import bind_request_id
+from common.telemetry.metrics import RequestMetrics
+from common.telemetry.tracing import tracer
+from common.worker.metrics import BLOCK_STORE, PRODUCER, RECEIVED
 from common.worker.pb import finish_reason_pb, logprob_pb
 from common.worker.runtime import WorkerRuntime
 from pdserve.common.v1 import common_pb2
@@ -41,6 +50,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         arrival = time.monotonic()
         runtime = self.runtime
+        bind_request_id(request.request_id)
         if not request.request_id:
             raise InvalidRequestError("request_id", "a request_id is required")
         prompt = list(request.prompt_token_ids)
@@ -56,16 +66,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         timeout = remaining_timeout(context)
 
         kv_import: KvImport | None = None
-        num_bytes, transfer_ms = 0, 0.0
+        transfer = _Transfer()
         if source == "kv_handle":
-            kv_import, num_bytes, transfer_ms = await self._fetch(
-                request.kv_handle, prompt, generated, timeout
-            )
+            kv_import, transfer = await self._fetch(request.kv_handle, prompt, generated, timeout)
         else:
             kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
+            if kv_import is not None:
+                transfer.peer = BLOCK_STORE
         imported = kv_import.num_tokens if kv_import is not None else 0
         admitted = time.monotonic()
 
+        metrics = runtime.metrics.requests
+        span = tracer().start_span(
+            "decode", attributes={"pdserve.local_prefill": source != "kv_handle"}
+        )
+        stream = _Stream(arrival, admitted)
         published = False
         outputs = runtime.loop.generate(
             request.request_id,
@@ -75,34 +90,42 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             output_token_ids=generated,
             kv_import=kv_import,
         )
-        # aclosing: a cancelled call aborts the request now, not when the generator is collected.
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
-                if sampling.logprobs or sampling.top_logprobs:
-                    message.logprobs.extend(
-                        logprob_pb(lp) for lp in out.new_logprobs if lp is not None
-                    )
-                if not published:
-                    # The prompt's full blocks now sit in this worker's cache.
-                    runtime.in_background(
-                        runtime.publish_blocks(runtime.block_hashes(prompt, salt))
-                    )
-                    published = True
-                if out.finished:
-                    context_len = len(prompt) + len(generated)
-                    message.finish_reason = finish_reason_pb(out.finish_reason)
-                    message.cached_tokens = out.num_cached_tokens
-                    message.imported_tokens = imported
-                    message.computed_tokens = max(0, context_len - out.num_cached_tokens - imported)
-                    message.kv_transfer_bytes = num_bytes
-                    message.kv_transfer_ms = transfer_ms
-                    scheduled = out.first_scheduled_time or admitted
-                    message.queue_ms = max(
-                        0.0,
-                        (scheduled - admitted) * 1000 + (admitted - arrival) * 1000 - transfer_ms,
-                    )
-                yield message
+        try:
+            # aclosing: a cancelled call aborts the request now, not when the generator is
+            # collected.
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    stream.add(out, metrics, len(prompt))
+                    message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                    if sampling.logprobs or sampling.top_logprobs:
+                        message.logprobs.extend(
+                            logprob_pb(lp) for lp in out.new_logprobs if lp is not None
+                        )
+                    if not published:
+                        # The prompt's full blocks now sit in this worker's cache.
+                        runtime.in_background(
+                            runtime.publish_blocks(runtime.block_hashes(prompt, salt))
+                        )
+                        published = True
+                    if out.finished:
+                        context_len = len(prompt) + len(generated)
+                        message.finish_reason = finish_reason_pb(out.finish_reason)
+                        message.cached_tokens = out.num_cached_tokens
+                        message.imported_tokens = imported
+                        message.computed_tokens = max(
+                            0, context_len - out.num_cached_tokens - imported
+                        )
+                        message.kv_transfer_bytes = transfer.num_bytes
+                        message.kv_transfer_ms = transfer.ms
+                        message.queue_ms = stream.queue_ms(transfer.ms)
+                        stream.cached_tokens = out.num_cached_tokens
+                    yield message
+        except BaseException as exc:
+            stream.failure = exc
+            record_error(span, exc)
+            raise
+        finally:
+            stream.close(span, metrics, transfer, imported, request.request_id, len(prompt))
 
     async def _fetch(
         self,
@@ -110,7 +133,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prompt: list[int],
         generated: list[int],
         timeout: float | None,
-    ) -> tuple[KvImport, int, float]:
+    ) -> tuple[KvImport, _Transfer]:
         """The prompt's KV: from the producer, else full blocks from the block store."""
         runtime = self.runtime
         if not generated:
@@ -126,26 +149,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         runtime.layout.check_same(KvLayout.from_pb(handle.layout), "kv_handle")
         channel = runtime.channels.get(handle.producer_address)
+        metrics = runtime.metrics
         try:
             pulled = await pull_kv(channel, handle, runtime.layout, timeout)
         except (UnavailableError, NotFoundError, DataLossError) as exc:
+            metrics.transfer_failed(PRODUCER, RECEIVED)
             log.info(
                 "request %s: producer pull failed (%s); trying the block store",
                 handle.request_id,
                 exc,
             )
-            start = time.perf_counter()
-            kv = await self._from_store(handle, timeout)
-            return (
-                kv,
-                kv.data.numel() * kv.data.element_size(),
-                (time.perf_counter() - start) * 1000,
-            )
+            return await self._from_store(handle, timeout)
+        except BaseException:
+            metrics.transfer_failed(PRODUCER, RECEIVED)
+            raise
         finally:
             runtime.in_background(release_lease(channel, handle.lease_id))
-        return KvImport(handle.num_tokens, pulled.data), pulled.num_bytes, pulled.elapsed_ms
+        metrics.transferred(
+            PRODUCER, RECEIVED, pulled.num_bytes, pulled.num_blocks, pulled.elapsed_ms / 1000
+        )
+        transfer = _Transfer(PRODUCER, pulled.num_bytes, pulled.elapsed_ms)
+        return KvImport(handle.num_tokens, pulled.data), transfer
 
-    async def _from_store(self, handle: common_pb2.KvHandle, timeout: float | None) -> KvImport:
+    async def _from_store(
+        self, handle: common_pb2.KvHandle, timeout: float | None
+    ) -> tuple[KvImport, _Transfer]:
+        metrics = self.runtime.metrics
+        with tracer().start_as_current_span("kv_transfer", kind=SpanKind.CLIENT) as span:
+            span.set_attribute("pdserve.kv.source", BLOCK_STORE)
+            start = time.perf_counter()
+            try:
+                kv = await self._store_blocks(handle, timeout)
+            except BaseException as exc:
+                metrics.transfer_failed(BLOCK_STORE, RECEIVED)
+                record_error(span, exc)
+                raise
+            seconds = time.perf_counter() - start
+            num_bytes = kv.data.numel() * kv.data.element_size()
+            num_blocks = int(kv.data.shape[0])
+            metrics.transferred(BLOCK_STORE, RECEIVED, num_bytes, num_blocks, seconds)
+            span.set_attributes(transfer_attributes(num_bytes, num_blocks, seconds))
+        return kv, _Transfer(BLOCK_STORE, num_bytes, seconds * 1000)
+
+    async def _store_blocks(self, handle: common_pb2.KvHandle, timeout: float | None) -> KvImport:
         store = self.runtime.store
         hashes = list(handle.block_hashes)
         if store is None or not hashes:
@@ -168,3 +214,96 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.GetStatusResponse:
         stats = await self.runtime.stats()
         return decode_pb2.GetStatusResponse(status=self.runtime.status_pb(stats))
+
+
+@dataclass
+class _Transfer:
+    """How the request's KV arrived (peer empty: computed here)."""
+
+    peer: str = ""
+    num_bytes: int = 0
+    ms: float = 0.0
+
+
+class _Stream:
+    """One Decode call's timings and counts, for its metrics, span and log line."""
+
+    def __init__(self, arrival: float, admitted: float) -> None:
+        self.arrival = arrival
+        self.admitted = admitted
+        self.scheduled: float | None = None
+        self.first_at: float | None = None
+        self.last_at = 0.0
+        self.num_generated = 0
+        self.cached_tokens = 0
+        self.finish: str | None = None
+        self.failure: BaseException | None = None
+
+    def add(self, out: RequestOutput, metrics: RequestMetrics, num_prompt: int) -> None:
+        now = time.monotonic()
+        if self.scheduled is None:
+            self.scheduled = out.first_scheduled_time or self.admitted
+            metrics.request_queue_time.observe(max(0.0, self.scheduled - self.admitted))
+            metrics.prompt_tokens.inc(num_prompt)
+        if out.new_token_ids:
+            if self.first_at is None:
+                self.first_at = now
+                metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                metrics.observe_tokens(now - self.last_at, len(out.new_token_ids))
+            self.last_at = now
+            self.num_generated += len(out.new_token_ids)
+            metrics.generation_tokens.inc(len(out.new_token_ids))
+        if out.finish_reason is not None:
+            self.finish = out.finish_reason.value
+
+    def queue_ms(self, transfer_ms: float) -> float:
+        """Waiting time before the first step, less the KV transfer (reported apart)."""
+        scheduled = self.scheduled or self.admitted
+        return max(0.0, (scheduled - self.arrival) * 1000 - transfer_ms)
+
+    def close(
+        self,
+        span: Span,
+        metrics: RequestMetrics,
+        transfer: _Transfer,
+        imported: int,
+        request_id: str,
+        num_prompt: int,
+    ) -> None:
+        now = time.monotonic()
+        finish = self.finish
+        if finish is None and isinstance(self.failure, (asyncio.CancelledError, GeneratorExit)):
+            finish = "abort"
+        if finish is not None:
+            metrics.finished(finish)
+            metrics.e2e_request_latency.observe(now - self.arrival)
+        queue_ms = ((self.scheduled or now) - self.admitted) * 1000
+        span.set_attributes(
+            {
+                "pdserve.queue_ms": queue_ms,
+                "pdserve.tokens_generated": self.num_generated,
+                "pdserve.prompt_tokens": num_prompt,
+                "pdserve.cached_tokens": self.cached_tokens,
+                "pdserve.imported_tokens": imported,
+                "pdserve.kv.source": transfer.peer or "computed",
+                "pdserve.finish_reason": finish or "error",
+            }
+        )
+        span.end()
+        log.info(
+            "decode %s: %s, prompt %d tokens (%d cached, %d imported from %s: %d bytes in "
+            "%.1f ms), %d tokens generated; queue %.1f ms, ttft %.1f ms, total %.1f ms",
+            request_id,
+            finish or f"failed ({type(self.failure).__name__}: {self.failure})",
+            num_prompt,
+            self.cached_tokens,
+            imported,
+            transfer.peer or "-",
+            transfer.num_bytes,
+            transfer.ms,
+            self.num_generated,
+            queue_ms,
+            ((self.first_at or now) - self.arrival) * 1000,
+            (now - self.arrival) * 1000,
+        )

@@ -24,10 +24,13 @@ class GatewayConfig:
     registry_refresh_s: float = 0.25
     drain_grace_s: float = 10.0
     worker_id: str | None = None
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_in_flight < 1:

@@ -6,12 +6,16 @@ import time
 
 from common.errors import UnavailableError
 from common.index.registry import WorkerInfo, WorkerRegistry
+from common.telemetry.metrics import RedisHealth
 
 
 class WorkerDirectory:
-    def __init__(self, registry: WorkerRegistry, refresh_s: float) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, refresh_s: float, redis_health: RedisHealth | None = None
+    ) -> None:
         self.registry = registry
         self.refresh_s = refresh_s
+        self.redis_health = redis_health
         self._workers: list[WorkerInfo] = []
         self._read_at = 0.0
 
@@ -21,10 +25,14 @@ class WorkerDirectory:
             try:
                 self._workers = await self.registry.list()
             except Exception as exc:
+                if self.redis_health is not None:
+                    self.redis_health.failed("registry_read")
                 raise UnavailableError(
                     f"the worker registry (Redis) cannot be read: {exc}"
                 ) from exc
             self._read_at = now
+            if self.redis_health is not None:
+                self.redis_health.ok()
         return self._workers
 
     async def by_role(self, role: str, model: str) -> list[WorkerInfo]:

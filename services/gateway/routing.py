@@ -6,6 +6,9 @@ Decode: the fewest running sequences (plus in-flight calls), then the most free 
 Conditional disaggregation: when what a decode worker would have to compute itself (the
 prompt minus its cached prefix) is under ``local_prefill_tokens``, or no prefill worker is
 alive, the decode worker prefills locally and no KV moves.
+
+Every route names its reason (``Route.reason``, one of ``REASONS``): traces and the
+``pdserve:routing_decisions_total`` metric carry it.
 """
 
 from __future__ import annotations
@@ -17,12 +20,21 @@ from dataclasses import dataclass
 from common.errors import UnavailableError
 from common.index.registry import WorkerInfo
 
+# Why a request went where it did.
+PREFIX_OVERLAP = "prefix_overlap"  # remote prefill on a worker holding part of the prompt
+LOAD = "load"  # remote prefill on the least loaded worker (no worker holds any of it)
+LOCAL_PREFILL_SHORT = "local_prefill_short"  # the prompt is short: the decode worker prefills
+LOCAL_PREFILL_CACHED = "local_prefill_cached"  # a decode worker holds nearly all of it
+NO_PREFILL_WORKER = "no_prefill_worker"  # none is alive: the decode worker prefills
+REASONS = (PREFIX_OVERLAP, LOAD, LOCAL_PREFILL_SHORT, LOCAL_PREFILL_CACHED, NO_PREFILL_WORKER)
+
 
 @dataclass(frozen=True)
 class Route:
     decode: WorkerInfo
     prefill: WorkerInfo | None  # None: the decode worker prefills locally
     overlap_blocks: int  # cached leading blocks on the worker that will prefill
+    reason: str  # one of REASONS
 
 
 class Router:
@@ -54,11 +66,17 @@ class Router:
         cached_tokens = overlap.get(best_cached.worker_id, 0) * self.block_size
         if prompt_len - cached_tokens < self.local_prefill_tokens or not prefills:
             target = best_cached if cached_tokens else min(decodes, key=decode_key)
-            return Route(target, None, overlap.get(target.worker_id, 0))
+            if not prefills:
+                reason = NO_PREFILL_WORKER
+            else:
+                reason = LOCAL_PREFILL_CACHED if cached_tokens else LOCAL_PREFILL_SHORT
+            return Route(target, None, overlap.get(target.worker_id, 0), reason)
 
         def prefill_score(w: WorkerInfo) -> tuple[float, int]:
             load = w.num_waiting + self.in_flight[w.worker_id]
             return (self.overlap_weight * overlap.get(w.worker_id, 0) - load, -tiebreak(w))
 
         prefill = max(prefills, key=prefill_score)
-        return Route(min(decodes, key=decode_key), prefill, overlap.get(prefill.worker_id, 0))
+        overlap_blocks = overlap.get(prefill.worker_id, 0)
+        reason = PREFIX_OVERLAP if overlap_blocks else LOAD
+        return Route(min(decodes, key=decode_key), prefill, overlap_blocks, reason)

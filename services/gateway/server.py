@@ -11,37 +11,54 @@ from typing import Any
 
 import grpc
 import redis.asyncio
+from prometheus_client import CollectorRegistry
 
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.models.spec import load_spec
+from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, create_server, serve_until_signal
+from common.telemetry.metrics import process_registry, start_metrics_server
+from common.telemetry.tracing import setup_tracing
 from common.text.tokenizer import Tokenizer
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
-async def start_gateway(config: GatewayConfig) -> tuple[Server, GatewayServicer, Any]:
+async def start_gateway(
+    config: GatewayConfig, metrics_registry: CollectorRegistry | None = None
+) -> tuple[Server, GatewayServicer, Any]:
+    """Binds and serves; metrics go to ``metrics_registry`` (default: a registry of its own,
+    ``servicer.metrics.registry``)."""
     tokenizer = await asyncio.to_thread(Tokenizer, config.model)
     spec = await asyncio.to_thread(load_spec, config.model)
     client = redis.asyncio.from_url(config.redis_url)
     registry = WorkerRegistry(client)
-    directory = WorkerDirectory(registry, config.registry_refresh_s)
+    metrics_registry = metrics_registry or CollectorRegistry()
+    metrics = GatewayMetrics(metrics_registry, config.served_model_name)
+    directory = WorkerDirectory(registry, config.registry_refresh_s, metrics.redis)
     index = PrefixIndex(client, config.served_model_name)
     holder: list[GatewayServicer] = []
 
     def register(server: grpc.aio.Server) -> None:
-        servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "")
+        servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "", metrics)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         holder.append(servicer)
 
     names = [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
-    server = await create_server(f"{config.host}:{config.port}", register, names, serving=False)
+    server = await create_server(
+        f"{config.host}:{config.port}",
+        register,
+        names,
+        interceptors=[TelemetryInterceptor(RpcMetrics(metrics_registry))],
+        serving=False,
+    )
     servicer = holder[0]
     servicer.address = f"{config.host}:{server.port}"
     servicer.gateway_id = (
@@ -64,8 +81,10 @@ async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> Non
                     num_running=servicer.num_in_flight,
                 )
             )
+            servicer.metrics.redis.ok()
         except Exception as exc:
             log.warning("gateway heartbeat failed: %s", exc)
+            servicer.metrics.redis.failed("heartbeat")
         await asyncio.sleep(HEARTBEAT_S)
 
 
@@ -81,8 +100,21 @@ async def stop_gateway(servicer: GatewayServicer, resources: Any) -> None:
 
 
 async def serve(config: GatewayConfig) -> None:
-    server, servicer, resources = await start_gateway(config)
-    print(f"gateway {servicer.gateway_id} serving at {servicer.address}", flush=True)
-    await serve_until_signal(
-        server, config.drain_grace_s, on_stop=lambda: stop_gateway(servicer, resources)
-    )
+    """The gateway process: tracing from OTEL_*, metrics at --metrics-port, until SIGTERM."""
+    tracing = setup_tracing("gateway", config.worker_id)
+    metrics_registry = process_registry()
+    metrics_server = None
+    try:
+        if config.metrics_port:
+            metrics_server = start_metrics_server(
+                config.host, config.metrics_port, metrics_registry
+            )
+        server, servicer, resources = await start_gateway(config, metrics_registry)
+        print(f"gateway {servicer.gateway_id} serving at {servicer.address}", flush=True)
+        await serve_until_signal(
+            server, config.drain_grace_s, on_stop=lambda: stop_gateway(servicer, resources)
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

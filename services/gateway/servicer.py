@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from common.engine.sampling_params import SamplingParams
 from common.errors import (
@@ -26,6 +29,9 @@ from common.kv.pull import release_lease
 from common.models.spec import ModelSpec
 from common.rpc.channels import ChannelPool, remaining_timeout
 from common.rpc.errors import from_rpc_error, rpc_method
+from common.rpc.tracing import ClientSpan, client_span
+from common.telemetry.logs import bind_request_id
+from common.telemetry.tracing import tracer
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
@@ -35,58 +41,16 @@ from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
 from services.gateway.frontend import prompt_token_ids
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.relay import Relay
 from services.gateway.routing import Route, Router
 from services.gateway.status import cluster_status
+from services.gateway.telemetry import describe_request, record_request, route_attributes
 
 log = logging.getLogger(__name__)
 
-
-class _Relay:
-    """One request's running state while tokens stream through the gateway."""
-
-    def __init__(self, request_id: str, prompt: list[int], detok: IncrementalDetokenizer) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.detok = detok
-        self.generated: list[int] = []
-        self.cached_tokens = 0
-        self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
-        self.queue_ms = 0.0
-
-    def message(self, token_ids: list[int], logprobs: list[Any]) -> gateway_pb2.GenerateResponse:
-        self.generated += token_ids
-        if self.first_token_at is None and token_ids:
-            self.first_token_at = time.monotonic()
-        return gateway_pb2.GenerateResponse(
-            request_id=self.request_id,
-            text=self.detok.add(token_ids),
-            token_ids=token_ids,
-            logprobs=logprobs,
-        )
-
-    def finish(
-        self, message: gateway_pb2.GenerateResponse, reason: common_pb2.FinishReason
-    ) -> gateway_pb2.GenerateResponse:
-        now = time.monotonic()
-        message.text += self.detok.flush()
-        message.finish_reason = reason
-        message.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=len(self.prompt),
-                completion_tokens=len(self.generated),
-                cached_tokens=self.cached_tokens,
-            )
-        )
-        first = self.first_token_at or now
-        message.timings.CopyFrom(
-            gateway_pb2.Timings(
-                queue_ms=self.queue_ms,
-                ttft_ms=(first - self.arrival) * 1000,
-                total_ms=(now - self.arrival) * 1000,
-            )
-        )
-        return message
+PREFILL_METHOD = "/pdserve.prefill.v1.PrefillService/Prefill"
+DECODE_METHOD = "/pdserve.decode.v1.DecodeService/Decode"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -99,6 +63,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         index: PrefixIndex,
         gateway_id: str,
         address: str,
+        metrics: GatewayMetrics,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -113,7 +78,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.channels = ChannelPool()
         self.gateway_id = gateway_id
         self.address = address
+        self.metrics = metrics
         self.num_in_flight = 0
+        metrics.num_requests_running.set_function(lambda: self.num_in_flight)
         self._request_ids: set[str] = set()  # of the requests in flight
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -144,8 +111,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        span = trace.get_current_span()  # the server span of this call: the request's span
+        bind_request_id(request.request_id)
         self._check_model(request.model)
-        field, prompt = prompt_token_ids(request, self.tokenizer, self.spec.vocab_size)
+        with tracer().start_as_current_span("tokenize") as tokenize:
+            field, prompt = prompt_token_ids(request, self.tokenizer, self.spec.vocab_size)
+            tokenize.set_attributes(
+                {"pdserve.input_field": field, "pdserve.num_tokens": len(prompt)}
+            )
         limit = await self._context_limit()
         if len(prompt) >= limit:
             raise InvalidRequestError(
@@ -166,42 +139,68 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"the gateway has {self.num_in_flight} requests in flight; retry later"
             )
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        bind_request_id(request_id)
+        describe_request(span, self.model, field, request_id, sampling, len(prompt))
         salt = request.cache_salt or None
-        relay = _Relay(
-            request_id, prompt, IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
+        relay = Relay(
+            request_id,
+            prompt,
+            IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop),
+            self.metrics.requests,
         )
         self.num_in_flight += 1
         self._request_ids.add(request_id)
+        route: Route | None = None
+        failure: BaseException | None = None
         try:
             route = await self._route(request_id, prompt, salt)
-            async for message in self._run(route, relay, sampling, salt, context):
-                yield message
+            span.set_attributes(route_attributes(route))
+            # aclosing: when the client goes away, _run's cleanup (lease release, cancelling
+            # the decode call) runs now, not whenever the generator is collected.
+            async with contextlib.aclosing(
+                self._run(route, relay, sampling, salt, context)
+            ) as messages:
+                async for message in messages:
+                    yield message
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             self.num_in_flight -= 1
             self._request_ids.discard(request_id)
+            record_request(span, self.metrics, relay, route, failure)
+            failure = None  # no frame <-> traceback cycle
 
     async def _route(self, request_id: str, prompt: list[int], salt: str | None) -> Route:
-        hashes = hash_prompt_blocks(
-            prompt, self.config.block_size, salt, seed=self.config.hash_seed
-        )
-        try:
-            locations = await self.index.lookup([int(h) for h in hashes])
-        except Exception as exc:  # the index is advisory: route without it
-            log.warning("prefix index lookup failed: %s", exc)
-            locations = []
-        overlap = prefix_overlap(locations)
-        prefills = await self.directory.by_role("prefill", self.model)
-        decodes = await self.directory.by_role("decode", self.model)
-        return self.router.choose(request_id, len(prompt), overlap, prefills, decodes)
+        with tracer().start_as_current_span("route") as span:
+            hashes = hash_prompt_blocks(
+                prompt, self.config.block_size, salt, seed=self.config.hash_seed
+            )
+            try:
+                locations = await self.index.lookup([int(h) for h in hashes])
+                self.metrics.redis.ok()
+            except Exception as exc:  # the index is advisory: route without it
+                log.warning("prefix index lookup failed: %s", exc)
+                self.metrics.redis.failed("index_lookup")
+                span.set_attribute("pdserve.route.index_error", str(exc))
+                locations = []
+            overlap = prefix_overlap(locations)
+            prefills = await self.directory.by_role("prefill", self.model)
+            decodes = await self.directory.by_role("decode", self.model)
+            route = self.router.choose(request_id, len(prompt), overlap, prefills, decodes)
+            span.set_attributes(route_attributes(route))
+            span.set_attribute("pdserve.route.num_prompt_blocks", len(hashes))
+        self.metrics.routed(route.reason)
+        return route
 
     async def _run(
         self,
         route: Route,
-        relay: _Relay,
+        relay: Relay,
         sampling: SamplingParams,
         salt: str | None,
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         decode_request = decode_pb2.DecodeRequest(
             request_id=relay.request_id,
             prompt_token_ids=relay.prompt,
@@ -226,6 +225,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         decode_id = route.decode.worker_id
         started = False
         call: Any = None
+        span: ClientSpan | None = None
         self.router.in_flight[decode_id] += 1
         try:
             if first is not None:
@@ -234,12 +234,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     return
                 yield first
             stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(route.decode.address))
-            call = stub.Decode(decode_request, timeout=remaining_timeout(context))
+            span = ClientSpan(DECODE_METHOD, route.decode.address, {"pdserve.worker_id": decode_id})
+            dispatched_ms = (time.monotonic() - relay.arrival) * 1000
+            call = stub.Decode(
+                decode_request, timeout=remaining_timeout(context), metadata=span.metadata
+            )
             async for message in call:
                 started = True
                 reply = relay.message(list(message.token_ids), list(message.logprobs))
                 if route.prefill is None and message.finish_reason:
                     relay.cached_tokens = message.cached_tokens + message.imported_tokens
+                    relay.queue_ms = dispatched_ms + message.queue_ms
                 if relay.detok.stop_string is not None:
                     yield relay.finish(reply, common_pb2.FINISH_REASON_STOP)
                     return
@@ -250,13 +255,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     yield reply
             raise PdserveError("the decode stream ended without a finish reason")
         except grpc.aio.AioRpcError as exc:
+            if span is not None:
+                span.failed(exc)
             error = _downstream_error(exc, f"decode worker {decode_id}")
             if relay.generated and not isinstance(error, asyncio.TimeoutError):
                 # Tokens already reached the client: close the stream's accounting first.
                 ending = gateway_pb2.GenerateResponse(request_id=relay.request_id)
                 yield relay.finish(ending, common_pb2.FINISH_REASON_ERROR)
             raise error from exc
+        except BaseException as exc:
+            if span is not None:
+                span.failed(exc)
+            raise
         finally:
+            if span is not None:
+                span.end()
             self.router.in_flight[decode_id] -= 1
             if call is not None and not call.done():
                 call.cancel()
@@ -266,43 +279,49 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _prefill(
         self,
         route: Route,
-        relay: _Relay,
+        relay: Relay,
         sampling: SamplingParams,
         salt: str | None,
         context: grpc.aio.ServicerContext,
     ) -> prefill_pb2.PrefillResponse:
         assert route.prefill is not None
         worker = route.prefill
+        # Our own lease id: if we give up on the call, we can still release what it pinned.
+        lease_id = f"lease-{secrets.token_hex(8)}"
         request = prefill_pb2.PrefillRequest(
-            request_id=relay.request_id, prompt_token_ids=relay.prompt, cache_salt=salt or ""
+            request_id=relay.request_id,
+            prompt_token_ids=relay.prompt,
+            cache_salt=salt or "",
+            lease_id=lease_id,
         )
         sampling.to_pb(request.sampling)
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(worker.address))
         self.router.in_flight[worker.worker_id] += 1
         relay.queue_ms = (time.monotonic() - relay.arrival) * 1000
-        call = stub.Prefill(request, timeout=remaining_timeout(context))
-        try:
-            response: prefill_pb2.PrefillResponse = await call
-        except grpc.aio.AioRpcError as exc:
-            raise _downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
-        except asyncio.CancelledError:
-            call.cancel()
-            self._in_background(self._release_if_leased(call))
-            raise
-        finally:
-            self.router.in_flight[worker.worker_id] -= 1
+        with client_span(
+            PREFILL_METHOD, worker.address, {"pdserve.worker_id": worker.worker_id}
+        ) as span:
+            call = stub.Prefill(request, timeout=remaining_timeout(context), metadata=span.metadata)
+            try:
+                response: prefill_pb2.PrefillResponse = await call
+            except grpc.aio.AioRpcError as exc:
+                span.failed(exc)
+                raise _downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
+            except asyncio.CancelledError:
+                call.cancel()
+                # Released whether or not the lease exists yet: the worker remembers.
+                self._in_background(release_lease(self.channels.get(worker.address), lease_id))
+                raise
+            finally:
+                self.router.in_flight[worker.worker_id] -= 1
+            span.span.set_attributes(
+                {
+                    "pdserve.cached_tokens": response.cached_tokens,
+                    "pdserve.computed_tokens": response.computed_tokens,
+                }
+            )
         relay.queue_ms += response.queue_ms
         return response
-
-    async def _release_if_leased(self, call: grpc.aio.UnaryUnaryCall) -> None:
-        """A Prefill call given up on may have finished all the same (its response arrived
-        before the cancel): then nobody else knows its lease, so release it here."""
-        try:
-            response: prefill_pb2.PrefillResponse = await call
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            return  # the worker aborted the request and freed its blocks
-        if response.HasField("kv_handle"):
-            await self._release(response.kv_handle)
 
     async def _release(self, handle: common_pb2.KvHandle) -> None:
         await release_lease(self.channels.get(handle.producer_address), handle.lease_id)

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import grpc
 
 from common.engine.request import FinishReason
 from common.engine.sampling_params import SamplingParams
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, NotFoundError
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
+from common.telemetry.logs import bind_request_id
+from common.telemetry.tracing import tracer
 from common.worker.pb import finish_reason_pb, logprob_pb
 from common.worker.runtime import WorkerRuntime
 from pdserve.common.v1 import common_pb2
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -28,8 +34,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.PrefillResponse:
         arrival = time.monotonic()
         runtime = self.runtime
+        bind_request_id(request.request_id)
         if not request.request_id:
             raise InvalidRequestError("request_id", "a request_id is required")
+        if len(request.lease_id) > 128:
+            raise InvalidRequestError("lease_id", "at most 128 characters")
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("prompt_token_ids", "the prompt is empty")
@@ -39,23 +48,43 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         kv_import = await runtime.import_from_store(prompt, salt, remaining_timeout(context))
         imported = kv_import.num_tokens if kv_import is not None else 0
 
-        last = None
-        async for out in runtime.loop.generate(
-            request.request_id,
-            prompt,
-            sampling,
-            cache_salt=salt,
-            prefill_only=True,
-            kv_import=kv_import,
-        ):
-            last = out
-        assert last is not None and last.finished, "prefill stream ended without a result"
-        done = time.monotonic()
-        scheduled = last.first_scheduled_time or arrival
+        metrics = runtime.metrics.requests
+        with tracer().start_as_current_span("prefill") as span:
+            admitted = time.monotonic()
+            last = None
+            try:
+                async for out in runtime.loop.generate(
+                    request.request_id,
+                    prompt,
+                    sampling,
+                    cache_salt=salt,
+                    prefill_only=True,
+                    kv_import=kv_import,
+                ):
+                    last = out
+            except asyncio.CancelledError:
+                metrics.finished("abort")
+                raise
+            assert last is not None and last.finished, "prefill stream ended without a result"
+            done = time.monotonic()
+            scheduled = last.first_scheduled_time or admitted
+            cached = last.num_cached_tokens + imported
+            finish = last.finish_reason.value if last.finish_reason else "abort"
+            span.set_attributes(
+                {
+                    "pdserve.prompt_tokens": len(prompt),
+                    "pdserve.cached_tokens": cached,
+                    "pdserve.imported_tokens": imported,
+                    "pdserve.computed_tokens": len(prompt) - cached,
+                    "pdserve.queue_ms": (scheduled - admitted) * 1000,
+                    "pdserve.prefill_ms": (done - scheduled) * 1000,
+                    "pdserve.finish_reason": finish,
+                }
+            )
         response = prefill_pb2.PrefillResponse(
             first_token_id=last.new_token_ids[0],
-            cached_tokens=last.num_cached_tokens + imported,
-            computed_tokens=len(prompt) - last.num_cached_tokens - imported,
+            cached_tokens=cached,
+            computed_tokens=len(prompt) - cached,
             queue_ms=(scheduled - arrival) * 1000,
             prefill_ms=(done - scheduled) * 1000,
             finish_reason=finish_reason_pb(last.finish_reason),
@@ -63,21 +92,47 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if last.new_logprobs and last.new_logprobs[0] is not None:
             response.first_logprob.CopyFrom(logprob_pb(last.new_logprobs[0]))
         if last.finish_reason is FinishReason.PREFILLED:
-            response.kv_handle.CopyFrom(await self._lease(request.request_id, prompt, salt))
+            response.kv_handle.CopyFrom(
+                await self._lease(request.request_id, prompt, salt, request.lease_id)
+            )
+        end = time.monotonic()
+        metrics.request_queue_time.observe(scheduled - admitted)
+        metrics.time_to_first_token.observe(done - arrival)
+        metrics.e2e_request_latency.observe(end - arrival)
+        metrics.prompt_tokens.inc(len(prompt))
+        metrics.generation_tokens.inc(len(last.new_token_ids))
+        metrics.finished(finish)
+        log.info(
+            "prefill %s: %s, prompt %d tokens (%d cached, %d imported, %d computed); "
+            "queue %.1f ms, prefill %.1f ms, total %.1f ms",
+            request.request_id,
+            finish,
+            len(prompt),
+            last.num_cached_tokens,
+            imported,
+            len(prompt) - cached,
+            (scheduled - admitted) * 1000,
+            (done - scheduled) * 1000,
+            (end - arrival) * 1000,
+        )
         return response
 
     async def _lease(
-        self, request_id: str, prompt: list[int], salt: str | None
+        self, request_id: str, prompt: list[int], salt: str | None, lease_id: str
     ) -> common_pb2.KvHandle:
         """Exports the held KV under a lease; on any failure the held blocks are freed."""
         runtime = self.runtime
         try:
             export = await runtime.loop.call(lambda e: e.export_kv(request_id))
             hashes = [int(h) for h in export.block_hashes]
-            lease = runtime.leases.create(request_id, export.num_tokens, hashes, export.data)
+            lease = await runtime.leases.create(
+                request_id, export.num_tokens, hashes, export.data, lease_id
+            )
         except BaseException:
             runtime.loop.submit(lambda e: e.release(request_id))
             raise
+        if lease is None:  # the caller released it before it existed: blocks already freed
+            raise NotFoundError(f"lease {lease_id!r} was released by the caller; request dropped")
         runtime.in_background(runtime.publish_blocks(hashes))
         runtime.in_background(runtime.store_blocks(hashes, export.data))
         return common_pb2.KvHandle(

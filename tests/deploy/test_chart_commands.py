@@ -66,9 +66,6 @@ def test_pdserve_accepts_every_rendered_command_line(variant: str) -> None:
     assert seen == expected
 
 
-@pytest.mark.xfail(
-    reason="--metrics-port arrives with issue 5 (metrics)", raises=pytest.fail.Exception
-)
 def test_pdserve_accepts_the_metrics_port() -> None:
     check_accepted({"metrics": {"enabled": True}})
 

@@ -1,5 +1,6 @@
-"""A real stack for the integration tests: ``pdserve up`` with redis-server, the block store,
-2 prefill and 2 decode workers and the gateway, all as processes on loopback."""
+"""Real stacks for the integration tests, all as processes on loopback: ``stack`` is
+``pdserve up`` with redis-server, the block store, 2 prefill and 2 decode workers and the
+gateway; ``observed_stack`` a smaller one whose traces and metrics the tests read."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launcher import free_port
+from pdserve.launcher import Child, StackState, free_port
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 
 @dataclass
@@ -67,4 +69,58 @@ def stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield stack
     finally:
         stopped = stack.cli("down", timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+@dataclass
+class ObservedStack(Stack):
+    """A small stack (1 prefill, 1 decode, block store, gateway) exporting its spans to an
+    OTLP receiver in this test process, every process with a metrics endpoint."""
+
+    receiver: OtlpReceiver
+
+    def children(self) -> dict[str, Child]:
+        state = StackState.load(self.run_dir / "stack.json")
+        assert state is not None, "pdserve up recorded no stack"
+        return {c.name: c for c in state.children}
+
+    def log_of(self, name: str) -> str:
+        return Path(self.children()[name].log).read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def observed_stack(
+    smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ObservedStack]:
+    """Configured only through OTEL_* variables, as a user would."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
+    receiver = OtlpReceiver()
+    endpoint = receiver.start()
+    run_dir = tmp_path_factory.mktemp("observed")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OTEL_") and k != "PDSERVE_METRICS_PORT"
+    }
+    env.update(
+        PDSERVE_RUN_DIR=str(run_dir),
+        PDSERVE_LOG_LEVEL="INFO",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",  # ms: spans reach the receiver soon after they end
+    )
+    port = free_port()
+    stack = ObservedStack(f"127.0.0.1:{port}", run_dir, env, smollm_dir, receiver)
+    started = stack.cli(
+        "up", "--detach", "--port", str(port), "--prefill", "1", "--decode", "1",
+        "--model", str(smollm_dir), "--kv-cache-memory", "128MiB", timeout=900,
+    )  # fmt: skip
+    if started.returncode != 0:
+        receiver.stop()
+        pytest.fail(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")
+    try:
+        yield stack
+    finally:
+        stopped = stack.cli("down", timeout=120)
+        receiver.stop()
         assert stopped.returncode == 0, stopped.stderr

@@ -34,6 +34,7 @@ def test_prefill_goes_to_the_worker_holding_the_prefix() -> None:
         route = router.choose(f"r{i}", 400, {"p1": 10}, prefills, decodes)
         assert route.prefill is not None and route.prefill.worker_id == "p1"
         assert route.overlap_blocks == 10
+        assert route.reason == "prefix_overlap"
 
 
 def test_load_outweighs_a_small_overlap() -> None:
@@ -41,6 +42,7 @@ def test_load_outweighs_a_small_overlap() -> None:
     prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=5)]
     route = router.choose("r", 400, {"p1": 2}, prefills, [worker("d0", "decode")])
     assert route.prefill is not None and route.prefill.worker_id == "p0"
+    assert route.reason == "load"
 
 
 def test_ties_spread_across_workers() -> None:
@@ -71,13 +73,21 @@ def test_short_or_mostly_cached_prompts_prefill_on_the_decode_worker() -> None:
     prefills = [worker("p0", "prefill")]
     decodes = [worker("d0", "decode"), worker("d1", "decode")]
     short = router.choose("r", 20, {}, prefills, decodes)
-    assert short.prefill is None
+    assert short.prefill is None and short.reason == "local_prefill_short"
     cached = router.choose("r", 400, {"d1": 24}, prefills, decodes)  # 384 of 400 tokens cached
     assert (
         cached.prefill is None and cached.decode.worker_id == "d1" and cached.overlap_blocks == 24
     )
+    assert cached.reason == "local_prefill_cached"
     long = router.choose("r", 400, {"d1": 10}, prefills, decodes)
-    assert long.prefill is not None
+    assert long.prefill is not None and long.reason == "load"
+
+
+def test_without_prefill_workers_the_decode_worker_prefills() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    route = router.choose("r", 400, {}, [], [worker("d0", "decode")])
+    assert route.prefill is None and route.decode.worker_id == "d0"
+    assert route.reason == "no_prefill_worker"
 
 
 def test_no_decode_worker_is_unavailable_and_no_prefill_falls_back() -> None:

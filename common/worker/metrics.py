@@ -1,0 +1,179 @@
+"""A worker's Prometheus metrics: its requests, its engine, its KV transfers.
+
+Engine figures (running, waiting, KV usage, prefix cache, preemptions) are read at scrape
+time on the engine thread (``EngineLoop.submit``), so a scrape sees the engine as it is,
+never a heartbeat-old copy; when the engine is busy past ``SNAPSHOT_TIMEOUT_S`` the last
+snapshot serves instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.engine.engine import Engine, EngineStats
+from common.engine.engine_loop import EngineLoop
+from common.kv.leases import LeaseTable
+from common.telemetry.metrics import (
+    TRANSFER_BUCKETS_S,
+    RedisHealth,
+    RequestMetrics,
+    metric_name,
+)
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 1.0
+
+# Where KV came from or went: the producer of a handle (KvTransferService) or the block store.
+PRODUCER = "producer"
+BLOCK_STORE = "block_store"
+RECEIVED = "received"
+SENT = "sent"
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    stats: EngineStats
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+def read_snapshot(engine: Engine) -> EngineSnapshot:
+    """Engine thread only."""
+    return EngineSnapshot(
+        engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens
+    )
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self.requests = RequestMetrics(registry, model_name)
+        transfer_labels = ["peer", "direction"]
+        self._transfer_bytes = Counter(
+            metric_name("kv_transfer_bytes"),
+            "KV bytes moved, by peer (producer, block_store) and direction (received, sent).",
+            transfer_labels, registry=registry,
+        )  # fmt: skip
+        self._transfer_blocks = Counter(
+            metric_name("kv_transfer_blocks"), "KV blocks moved, by peer and direction.",
+            transfer_labels, registry=registry,
+        )  # fmt: skip
+        self._transfer_seconds = Histogram(
+            metric_name("kv_transfer_duration_seconds"),
+            "Duration of one KV transfer, by peer and direction.",
+            transfer_labels, registry=registry, buckets=TRANSFER_BUCKETS_S,
+        )  # fmt: skip
+        self._transfer_failures = Counter(
+            metric_name("kv_transfer_failures"), "KV transfers that failed, by peer and direction.",
+            transfer_labels, registry=registry,
+        )  # fmt: skip
+        for peer, direction in ((PRODUCER, RECEIVED), (BLOCK_STORE, RECEIVED), (BLOCK_STORE, SENT)):
+            for family in (self._transfer_bytes, self._transfer_blocks, self._transfer_failures):
+                family.labels(peer, direction)  # every series exists from the start, at 0
+        self.redis = RedisHealth(registry)
+
+    def transferred(
+        self, peer: str, direction: str, num_bytes: int, num_blocks: int, seconds: float
+    ) -> None:
+        self._transfer_bytes.labels(peer, direction).inc(num_bytes)
+        self._transfer_blocks.labels(peer, direction).inc(num_blocks)
+        self._transfer_seconds.labels(peer, direction).observe(seconds)
+
+    def transfer_failed(self, peer: str, direction: str) -> None:
+        self._transfer_failures.labels(peer, direction).inc()
+
+    def watch_engine(self, loop: EngineLoop, leases: LeaseTable) -> None:
+        self.registry.register(EngineCollector(self.model_name, engine_reader(loop), leases))
+
+
+def engine_reader(loop: EngineLoop) -> Callable[[], EngineSnapshot | None]:
+    """Reads a snapshot on the engine thread from any thread; the last one (or None) when
+    the engine does not answer within SNAPSHOT_TIMEOUT_S."""
+    last: list[EngineSnapshot] = []
+
+    def read() -> EngineSnapshot | None:
+        future: concurrent.futures.Future[EngineSnapshot] = concurrent.futures.Future()
+
+        def on_engine(engine: Engine) -> None:
+            # Never raises: an exception here would stop the engine thread.
+            with contextlib.suppress(Exception):
+                try:
+                    future.set_result(read_snapshot(engine))
+                except Exception as exc:
+                    future.set_exception(exc)
+
+        loop.submit(on_engine)
+        try:
+            snapshot = future.result(timeout=SNAPSHOT_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            return last[0] if last else None
+        except Exception:
+            log.exception("reading engine figures for metrics failed")
+            return last[0] if last else None
+        last[:] = [snapshot]
+        return snapshot
+
+    return read
+
+
+class EngineCollector(Collector):
+    def __init__(
+        self,
+        model_name: str,
+        read: Callable[[], EngineSnapshot | None],
+        leases: LeaseTable,
+    ) -> None:
+        self.model_name = model_name
+        self.read = read
+        self.leases = leases
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self.read()))
+
+    def _families(self, snapshot: EngineSnapshot | None) -> list[Metric]:
+        def gauge(name: str, doc: str, value: float | None) -> Metric:
+            family = GaugeMetricFamily(metric_name(name), doc, labels=["model_name"])
+            if value is not None:
+                family.add_metric([self.model_name], value)
+            return family
+
+        def counter(name: str, doc: str, value: float | None) -> Metric:
+            family = CounterMetricFamily(metric_name(name), doc, labels=["model_name"])
+            if value is not None:
+                family.add_metric([self.model_name], value)
+            return family
+
+        stats = snapshot.stats if snapshot else None
+        usage = None
+        if stats is not None and stats.num_kv_blocks_total:
+            usage = 1 - stats.num_kv_blocks_free / stats.num_kv_blocks_total
+        return [
+            gauge("num_requests_running", "Requests in the engine's running batch.",
+                  stats.num_running if stats else None),
+            gauge("num_requests_waiting", "Requests waiting for their first step.",
+                  stats.num_waiting if stats else None),
+            gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", usage),
+            counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                    snapshot.prefix_query_tokens if snapshot else None),
+            counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                    snapshot.prefix_hit_tokens if snapshot else None),
+            counter("num_preemptions", "Requests preempted for lack of KV blocks.",
+                    stats.num_preemptions if stats else None),
+            gauge("kv_leases_active", "Exported KV held under a lease for a consumer.",
+                  len(self.leases)),
+            counter("kv_lease_expiries", "Leases that expired unreleased.",
+                    self.leases.num_expired),
+        ]  # fmt: skip

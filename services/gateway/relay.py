@@ -1,0 +1,85 @@
+"""Relay: one request's running state while its tokens stream through the gateway, and
+the per-token metrics (time to first token, time per output token, token counts)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from common.telemetry.metrics import RequestMetrics
+from common.text.detokenizer import IncrementalDetokenizer
+from pdserve.common.v1 import common_pb2
+from pdserve.gateway.v1 import gateway_pb2
+
+
+class Relay:
+    """One request's running state while tokens stream through the gateway."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        detok: IncrementalDetokenizer,
+        metrics: RequestMetrics,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.detok = detok
+        self.metrics = metrics
+        self.generated: list[int] = []
+        self.cached_tokens = 0
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.queue_ms = 0.0
+        self.finish_reason: str | None = None  # set once the final message is built
+
+    def message(self, token_ids: list[int], logprobs: list[Any]) -> gateway_pb2.GenerateResponse:
+        self.generated += token_ids
+        if token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+                self.metrics.prompt_tokens.inc(len(self.prompt))
+            else:
+                self.metrics.observe_tokens(now - self.last_token_at, len(token_ids))
+            self.last_token_at = now
+            self.metrics.generation_tokens.inc(len(token_ids))
+        return gateway_pb2.GenerateResponse(
+            request_id=self.request_id,
+            text=self.detok.add(token_ids),
+            token_ids=token_ids,
+            logprobs=logprobs,
+        )
+
+    def finish(
+        self, message: gateway_pb2.GenerateResponse, reason: common_pb2.FinishReason
+    ) -> gateway_pb2.GenerateResponse:
+        now = time.monotonic()
+        message.text += self.detok.flush()
+        message.finish_reason = reason
+        self.finish_reason = finish_reason_name(reason)
+        message.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=len(self.prompt),
+                completion_tokens=len(self.generated),
+                cached_tokens=self.cached_tokens,
+            )
+        )
+        message.timings.CopyFrom(
+            gateway_pb2.Timings(
+                queue_ms=self.queue_ms,
+                ttft_ms=self.ttft_ms(now),
+                total_ms=(now - self.arrival) * 1000,
+            )
+        )
+        return message
+
+    def ttft_ms(self, now: float) -> float:
+        return ((self.first_token_at or now) - self.arrival) * 1000
+
+
+def finish_reason_name(reason: common_pb2.FinishReason) -> str:
+    """``FINISH_REASON_STOP`` -> ``stop``, the label vLLM's metrics use."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
