@@ -103,6 +103,7 @@ class BlockStoreClient:
                     timeout=deadline.left(),
                     metadata=outgoing_metadata(),
                 ),
+                deadline,
             )
             commit = await self._call(
                 "CommitPut",
@@ -209,10 +210,23 @@ class BlockStoreClient:
         if blocks.dtype != self.layout.dtype:
             raise InvalidRequestError("blocks", f"dtype {blocks.dtype}, layout {self.layout.dtype}")
 
-    async def _call(self, what: str, call: Awaitable[T]) -> T:
+    async def _call(self, what: str, call: Awaitable[T], deadline: _Deadline | None = None) -> T:
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
+            if (
+                deadline is not None
+                and deadline.expired()
+                and exc.code() == grpc.StatusCode.INTERNAL
+            ):
+                # grpcio reports a client stream whose deadline passed while a message was being
+                # sent as INTERNAL ("Failed execute_batch"); the cause is the deadline.
+                exc = grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    details=f"deadline exceeded while streaming ({exc.details()})",
+                )
             _raise_translated(exc, f"block store {what}")
 
     async def _abort(self, put_id: str) -> None:
@@ -231,6 +245,9 @@ class _Deadline:
 
     def left(self) -> float | None:
         return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+    def expired(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
 
 
 def _first_indexes(block_hashes: Sequence[int], missing: Sequence[int]) -> list[int]:
