@@ -7,9 +7,19 @@ import os
 import sys
 
 from common.telemetry.logs import configure_logging
-from pdserve.commands import blockstore, chat, convert, gateway, generate, status, up, worker
+from pdserve.commands import (
+    bench,
+    blockstore,
+    chat,
+    convert,
+    gateway,
+    generate,
+    status,
+    up,
+    worker,
+)
 
-COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert)
+COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

