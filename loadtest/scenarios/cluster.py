@@ -60,9 +60,13 @@ class ClusterSpec:
 class GatewaySpec:
     overlap_weight: float = 1.0
     local_prefill_tokens: int = 16
+    routing_policy: str = "prefix-aware"
 
     def describe(self) -> str:
-        return f"gateway(overlap_weight={self.overlap_weight:g}, local_prefill_tokens={self.local_prefill_tokens})"
+        return (
+            f"gateway(routing_policy={self.routing_policy}, overlap_weight={self.overlap_weight:g}, "
+            f"local_prefill_tokens={self.local_prefill_tokens})"
+        )
 
 
 def pinned(argv: list[str], cpus: str | None) -> list[str]:
@@ -146,6 +150,7 @@ class Cluster:
         argv = [*self._python(), "gateway", "--port", str(port), "--model", self.model_dir,
                 "--worker-id", name, "--redis-url", self.redis_url,
                 "--overlap-weight", str(spec.overlap_weight),
+                "--routing-policy", spec.routing_policy,
                 "--local-prefill-tokens", str(spec.local_prefill_tokens)]  # fmt: skip
         child = self._launch(name, "gateway", argv, f"127.0.0.1:{port}")
         wait_serving(child.address, self._processes[name], child, timeout_s)

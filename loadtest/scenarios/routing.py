@@ -1,10 +1,9 @@
-"""Prefix-aware routing against load-only routing, across two prefill workers.
+"""Prefix-aware routing against round-robin and load-only routing, across two prefill workers.
 
 Prefix-aware: the gateway's default score, ``overlap_weight x cached leading blocks -
-load``. Load-only: ``overlap_weight 0``, so the least-loaded worker wins and ties are
-spread by a per-request hash, which is what round-robin gives on an even load. (A true
-round-robin mode would be a ``Router`` option in services/gateway/routing.py that cycles
-an index over ``prefills`` instead of scoring them.) Two workloads: ``prefix-repetition``
+load``. Round-robin: ``--routing-policy round-robin``, each role's workers in turn, blind to
+the index and to load. Load-only: ``--routing-policy load``, the least-loaded worker, ties
+spread by a per-request hash. Two workloads: ``prefix-repetition``
 (K shared prefixes) and the scaled Mooncake trace. The question: how much prefix-cache hit
 and TTFT does routing by prefix buy?
 
@@ -37,8 +36,9 @@ from loadtest.scenarios.common import (
 
 NAME = "routing"
 POLICIES = {
-    "prefix-aware": GatewaySpec(overlap_weight=1.0),
-    "load-only": GatewaySpec(overlap_weight=0.0),
+    "prefix-aware": GatewaySpec(routing_policy="prefix-aware"),
+    "round-robin": GatewaySpec(routing_policy="round-robin"),
+    "load-only": GatewaySpec(routing_policy="load"),
 }
 
 
@@ -75,8 +75,8 @@ def run(
     options: ScenarioOptions, model_dir: str, pool: ClusterPool | None = None
 ) -> ScenarioReport:
     report = ScenarioReport(NAME, "what do prefix-aware routing's cache hits buy in TTFT?", options)
-    report.notes.append("load-only = --overlap-weight 0: least queued load, ties spread by request "
-                        "hash (round-robin-like); a strict round-robin needs a Router option")  # fmt: skip
+    report.notes.append("round-robin = --routing-policy round-robin (index and load ignored); "
+                        "load-only = --routing-policy load (least queued load)")  # fmt: skip
     report.notes.append(
         "prefix_hit_rate = prompt tokens the gateway reported cached / prompt tokens"
     )

@@ -29,7 +29,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=16,
         help="prefill on the decode worker when fewer uncached prompt tokens than this",
     )
-    parser.add_argument("--overlap-weight", type=float, default=1.0)
+    parser.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=1.0,
+        help="prefix-aware: one cached block is worth this much queued load",
+    )
+    parser.add_argument(
+        "--routing-policy",
+        choices=("prefix-aware", "load", "round-robin"),
+        default="prefix-aware",
+        help="prefix-aware (default); load and round-robin ignore the prefix index (baselines)",
+    )
     parser.add_argument("--max-in-flight", type=int, default=1024)
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
@@ -50,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         local_prefill_tokens=args.local_prefill_tokens,
         overlap_weight=args.overlap_weight,
+        routing_policy=args.routing_policy,
         max_in_flight=args.max_in_flight,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,

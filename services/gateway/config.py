@@ -20,6 +20,7 @@ class GatewayConfig:
     local_prefill_tokens: int = 16
     # One block of prefix overlap is worth this much queued load when picking a prefill worker.
     overlap_weight: float = 1.0
+    routing_policy: str = "prefix-aware"  # or "load", "round-robin" (baselines)
     max_in_flight: int = 1024  # admission bound: beyond it, RESOURCE_EXHAUSTED at once
     registry_refresh_s: float = 0.25
     drain_grace_s: float = 10.0

@@ -7,6 +7,11 @@ Conditional disaggregation: when what a decode worker would have to compute itse
 prompt minus its cached prefix) is under ``local_prefill_tokens``, or no prefill worker is
 alive, the decode worker prefills locally and no KV moves.
 
+Policies (``--routing-policy``): ``prefix-aware`` as above; ``load`` ignores the prefix
+index (least load wins, ties spread by request hash); ``round-robin`` ignores index and load
+and takes the workers of each role in turn, the baseline prefix-aware routing is measured
+against.
+
 Every route names its reason (``Route.reason``, one of ``REASONS``): traces and the
 ``pdserve:routing_decisions_total`` metric carry it.
 """
@@ -26,7 +31,16 @@ LOAD = "load"  # remote prefill on the least loaded worker (no worker holds any 
 LOCAL_PREFILL_SHORT = "local_prefill_short"  # the prompt is short: the decode worker prefills
 LOCAL_PREFILL_CACHED = "local_prefill_cached"  # a decode worker holds nearly all of it
 NO_PREFILL_WORKER = "no_prefill_worker"  # none is alive: the decode worker prefills
-REASONS = (PREFIX_OVERLAP, LOAD, LOCAL_PREFILL_SHORT, LOCAL_PREFILL_CACHED, NO_PREFILL_WORKER)
+ROUND_ROBIN = "round_robin"  # remote prefill on the next worker in turn (policy round-robin)
+REASONS = (
+    PREFIX_OVERLAP,
+    LOAD,
+    LOCAL_PREFILL_SHORT,
+    LOCAL_PREFILL_CACHED,
+    NO_PREFILL_WORKER,
+    ROUND_ROBIN,
+)
+POLICIES = ("prefix-aware", "load", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -38,11 +52,27 @@ class Route:
 
 
 class Router:
-    def __init__(self, block_size: int, local_prefill_tokens: int, overlap_weight: float) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        local_prefill_tokens: int,
+        overlap_weight: float,
+        policy: str = "prefix-aware",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
         self.local_prefill_tokens = local_prefill_tokens
         self.overlap_weight = overlap_weight
+        self.policy = policy
         self.in_flight: Counter[str] = Counter()
+        self._turns: Counter[str] = Counter()  # round-robin position per role
+
+    def _next_in_turn(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        chosen = ordered[self._turns[role] % len(ordered)]
+        self._turns[role] += 1
+        return chosen
 
     def choose(
         self,
@@ -54,6 +84,15 @@ class Router:
     ) -> Route:
         if not decodes:
             raise UnavailableError("no decode worker is alive; retry later")
+        if self.policy == "round-robin":
+            decode = self._next_in_turn("decode", decodes)
+            if prompt_len < self.local_prefill_tokens or not prefills:
+                reason = NO_PREFILL_WORKER if not prefills else LOCAL_PREFILL_SHORT
+                return Route(decode, None, overlap.get(decode.worker_id, 0), reason)
+            prefill = self._next_in_turn("prefill", prefills)
+            return Route(decode, prefill, overlap.get(prefill.worker_id, 0), ROUND_ROBIN)
+        if self.policy == "load":
+            overlap = {}
 
         def tiebreak(w: WorkerInfo) -> int:
             # Stable per request, different across requests: spreads ties evenly.

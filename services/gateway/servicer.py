@@ -74,7 +74,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.directory = directory
         self.index = index
-        self.router = Router(config.block_size, config.local_prefill_tokens, config.overlap_weight)
+        self.router = Router(
+            config.block_size,
+            config.local_prefill_tokens,
+            config.overlap_weight,
+            config.routing_policy,
+        )
         self.channels = ChannelPool()
         self.gateway_id = gateway_id
         self.address = address

@@ -82,7 +82,7 @@ def test_routing(tmp_path: Path, pool: ClusterPool) -> None:
     arms = {
         f"{d}-{p}"
         for d in ("prefix-repetition", "mooncake-trace")
-        for p in ("prefix-aware", "load-only")
+        for p in ("prefix-aware", "round-robin", "load-only")
     }
     report = check_report(directory, arms)
     rows = {a["arm"]: a for a in report["arms"]}
@@ -90,6 +90,7 @@ def test_routing(tmp_path: Path, pool: ClusterPool) -> None:
     # prefix tokens on the worker that has them: 6 x 64 / (8 x 80).
     assert rows["prefix-repetition-prefix-aware"]["prefix_hit_rate"] == pytest.approx(0.6)
     assert rows["prefix-repetition-load-only"]["prefix_hit_rate"] <= 0.6
+    assert rows["prefix-repetition-round-robin"]["prefix_hit_rate"] <= 0.6
 
 
 def test_prefix_caching(tmp_path: Path, pool: ClusterPool) -> None:

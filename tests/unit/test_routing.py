@@ -95,3 +95,26 @@ def test_no_decode_worker_is_unavailable_and_no_prefill_falls_back() -> None:
     with pytest.raises(UnavailableError, match="no decode worker"):
         router.choose("r", 400, {}, [worker("p0", "prefill")], [])
     assert router.choose("r", 400, {}, [], [worker("d0", "decode")]).prefill is None
+
+
+def test_round_robin_takes_each_role_in_turn_blind_to_index_and_load() -> None:
+    router = Router(16, 16, 1.0, policy="round-robin")
+    prefills = [worker("p1", "prefill", waiting=9), worker("p0", "prefill")]
+    decodes = [worker("d1", "decode", running=9), worker("d0", "decode")]
+    routes = [router.choose(f"r{i}", 400, {"p1": 20}, prefills, decodes) for i in range(4)]
+    assert [r.prefill.worker_id for r in routes] == ["p0", "p1", "p0", "p1"]  # type: ignore[union-attr]
+    assert [r.decode.worker_id for r in routes] == ["d0", "d1", "d0", "d1"]
+    assert {r.reason for r in routes} == {"round_robin"}
+    assert [r.overlap_blocks for r in routes] == [0, 20, 0, 20]  # what the chosen worker holds
+    short = router.choose("s", 8, {}, prefills, decodes)
+    assert short.prefill is None and short.reason == "local_prefill_short"
+
+
+def test_load_policy_ignores_the_prefix_index() -> None:
+    router = Router(16, 16, 1.0, policy="load")
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=1)]
+    route = router.choose("r", 400, {"p1": 20}, prefills, [worker("d0", "decode")])
+    assert route.prefill is not None and route.prefill.worker_id == "p0"
+    assert route.reason == "load"
+    with pytest.raises(ValueError, match="round-robin"):
+        Router(16, 16, 1.0, policy="random")
