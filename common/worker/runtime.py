@@ -200,7 +200,7 @@ class WorkerRuntime:
         if fresh or self._index_stale:
             await self._republish()
         elif self._pending_removals:
-            removals = self._pending_removals
+            removals = list(self._pending_removals)
             await self.index.remove(self.worker_id, removals)
             del self._pending_removals[: len(removals)]
 
@@ -211,12 +211,17 @@ class WorkerRuntime:
         def read(engine: Engine) -> list[int]:
             return [int(h) for h in engine.kv.pool.cached_hashes()]
 
-        self._pending_removals.clear()  # what we publish now is what we hold now
         hashes = await self.loop.call(read)
+        held = set(hashes)
+        # Evictions Redis missed: gone from a Redis that kept its data, harmless on an empty one.
+        removals = [h for h in self._pending_removals if h not in held]
+        self._pending_removals.clear()
         try:
             await self.index.publish(self.worker_id, hashes, self.tier)
+            await self.index.remove(self.worker_id, removals)
         except BaseException:
             self._index_stale = True
+            self._pending_removals.extend(removals)
             raise
         self.metrics.index_republished(len(hashes))
         log.info("published the %d blocks held here to the prefix index", len(hashes))
