@@ -344,8 +344,6 @@ class WorkerRuntime:
                 local = await self.loop.call(
                     lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
                 )
-                if local >= len(hashes) * block_size:
-                    return None  # the store could not add anything
                 store = self.store
                 present = await self.store_call(
                     store.contains(hashes, timeout_s=self.store_timeout(timeout_s))
