@@ -59,3 +59,10 @@ class DataLossError(PdserveError):
     """Bytes arrived corrupted (a checksum mismatch)."""
 
     reason = "DATA_LOSS"
+
+
+class KvLoadError(UnavailableError):
+    """A decode worker could load a request's KV neither from its producer nor from the block
+    store, and runs with ``--kv-load-failure fail``. The request can be sent again whole."""
+
+    reason = "KV_LOAD_FAILED"

@@ -14,6 +14,7 @@ from typing import Any
 from common.index import keys
 
 LOOKUP_BATCH = 32
+PUBLISH_BATCH = 1024  # blocks per pipeline when (re)publishing
 
 
 class PrefixIndex:
@@ -23,14 +24,13 @@ class PrefixIndex:
         self.ttl_s = ttl_s
 
     async def publish(self, location: str, block_hashes: Sequence[int], tier: str) -> None:
-        if not block_hashes:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for h in block_hashes:
-            key = keys.block(self.model, h)
-            pipe.hset(key, location, tier)
-            pipe.expire(key, self.ttl_s)
-        await pipe.execute()
+        for start in range(0, len(block_hashes), PUBLISH_BATCH):
+            pipe = self.redis.pipeline(transaction=False)
+            for h in block_hashes[start : start + PUBLISH_BATCH]:
+                key = keys.block(self.model, h)
+                pipe.hset(key, location, tier)
+                pipe.expire(key, self.ttl_s)
+            await pipe.execute()
 
     async def remove(self, location: str, block_hashes: Sequence[int]) -> None:
         if not block_hashes:

@@ -51,13 +51,18 @@ class WorkerRegistry:
         self.redis = redis
         self.ttl_s = ttl_s
 
-    async def heartbeat(self, info: WorkerInfo) -> None:
+    async def heartbeat(self, info: WorkerInfo) -> bool:
+        """Writes the entry and renews its TTL. True when Redis did not hold the entry before
+        (the first heartbeat, one after the entry expired, or a Redis that restarted empty):
+        then whatever else this process keeps in Redis is likely gone too and should be
+        written again (``WorkerRuntime`` republishes its blocks to the prefix index)."""
         info.heartbeat_unix_ms = int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(keys.worker(info.worker_id), mapping=info.to_redis())
         pipe.pexpire(keys.worker(info.worker_id), int(self.ttl_s * 1000))
         pipe.sadd(keys.workers(), info.worker_id)
-        await pipe.execute()
+        added, _, _ = await pipe.execute()
+        return bool(added)  # HSET counts the fields it created: all of them on a new key
 
     async def deregister(self, worker_id: str) -> None:
         pipe = self.redis.pipeline(transaction=True)

@@ -64,6 +64,10 @@ class BlockPool:
             hits.append(block)
         return hits
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block the prefix cache holds now (to republish the prefix index)."""
+        return list(self._cached)
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Takes a reference on already-computed blocks (prefix-cache hits)."""
         for block in blocks:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from common.engine.config import EngineConfig
 
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -26,6 +28,12 @@ class WorkerConfig:
     drain_grace_s: float = 10.0
     index_ttl_s: int = 600
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
+    # Decode: what to do when a request's KV can be loaded neither from its producer nor
+    # (all its full blocks) from the block store: recompute it here, or fail the request.
+    kv_load_failure: str = "recompute"
+    kv_pull_timeout_s: float = 60.0  # most a pull from a producer may take before falling back
+    # Most a block store read on a request's path may take (it is skipped when it fails).
+    blockstore_timeout_s: float = 5.0
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,6 +49,13 @@ class WorkerConfig:
             )
         if self.lease_ttl_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("lease_ttl_s and heartbeat_s must be positive")
+        if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure!r}"
+            )
+        if self.kv_pull_timeout_s <= 0 or self.blockstore_timeout_s <= 0:
+            raise ValueError("kv_pull_timeout_s and blockstore_timeout_s must be positive")
 
     @property
     def served_model_name(self) -> str:

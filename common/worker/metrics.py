@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -37,6 +37,8 @@ PRODUCER = "producer"
 BLOCK_STORE = "block_store"
 RECEIVED = "received"
 SENT = "sent"
+# What became of a request whose KV pull from its producer failed (decode workers).
+KV_LOAD_OUTCOMES = ("block_store", "recompute", "failed")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,28 @@ class WorkerMetrics:
             for family in (self._transfer_bytes, self._transfer_blocks, self._transfer_failures):
                 family.labels(peer, direction)  # every series exists from the start, at 0
         self.redis = RedisHealth(registry)
+        self.block_store_up = Gauge(
+            metric_name("block_store_up"),
+            "1 while this worker uses the block store; 0 while it skips a failing one.",
+            registry=registry,
+        )
+        self.block_store_up.set(1)
+        self._index_republished = Counter(
+            metric_name("prefix_index_republished_blocks"),
+            "Blocks published to the prefix index again after Redis lost or missed them.",
+            registry=registry,
+        )
+        self.kv_load_fallbacks = Counter(
+            metric_name("kv_load_fallbacks"),
+            "Requests whose KV could not be pulled from its producer, by outcome: block_store "
+            "(every full block from there), recompute (the rest computed here), failed.",
+            ["outcome"], registry=registry,
+        )  # fmt: skip
+        for outcome in KV_LOAD_OUTCOMES:
+            self.kv_load_fallbacks.labels(outcome)
+
+    def index_republished(self, num_blocks: int) -> None:
+        self._index_republished.inc(num_blocks)
 
     def transferred(
         self, peer: str, direction: str, num_bytes: int, num_blocks: int, seconds: float

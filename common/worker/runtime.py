@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
 from common.engine.request import KvImport
+from common.errors import PdserveError, UnavailableError
+from common.index import redis_client
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.kv.block_store_client import BlockStoreClient
@@ -28,6 +32,7 @@ from common.kv.hashing import hash_prompt_blocks
 from common.kv.layout import KvLayout
 from common.kv.leases import LeaseTable
 from common.kv.pull import transfer_attributes
+from common.rpc.breaker import PEER_FAILURE_CODES, CircuitBreaker, CircuitState
 from common.rpc.channels import ChannelPool
 from common.rpc.tracing import record_error
 from common.telemetry.tracing import tracer
@@ -37,7 +42,19 @@ from pdserve.common.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+STORE_FAILURE_THRESHOLD = 2  # consecutive failed block store calls that open its breaker
+STORE_COOLDOWN_S = 5.0  # then no call for this long, then one probe
+BACKGROUND_GRACE_S = 5.0  # what stop() waits for background bookkeeping
+PUT_TIMEOUT_S = 30.0  # a write-through put runs in the background: it may take longer
+_TIMEOUT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
+
 ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+
+
+class BlockStoreSkipped(UnavailableError):
+    """The block store's breaker is open: the call was not made."""
 
 
 class WorkerRuntime:
@@ -64,6 +81,15 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(metrics_registry or CollectorRegistry(), self.model)
         self.metrics.watch_engine(self.loop, self.leases)
         self.channels = ChannelPool()
+        # A block store that fails twice running is left alone for a few seconds: requests
+        # then neither wait on it nor fail because of it (no reuse across workers meanwhile).
+        self.store_breaker = CircuitBreaker(
+            STORE_FAILURE_THRESHOLD, STORE_COOLDOWN_S, on_change=self._store_state_changed
+        )
+        # Whether the prefix index may lack blocks we hold (a write to Redis failed): the
+        # next heartbeat that gets through republishes every cached block.
+        self._index_stale = False
+        self._pending_removals: list[int] = []
         self.redis: Any = None
         self.index: PrefixIndex | None = None
         self.registry: WorkerRegistry | None = None
@@ -78,9 +104,7 @@ class WorkerRuntime:
         self.address = self.config.advertised_address(port)
         self.loop.start()
         if self.config.redis_url:
-            import redis.asyncio
-
-            self.redis = redis.asyncio.from_url(self.config.redis_url)
+            self.redis = redis_client.connect(self.config.redis_url)
             self.index = PrefixIndex(self.redis, self.model, self.config.index_ttl_s)
             self.registry = WorkerRegistry(self.redis, ttl_s=max(3.0, 5 * self.config.heartbeat_s))
             await self.loop.call(lambda e: e.kv.pool.track_evictions())
@@ -93,6 +117,12 @@ class WorkerRuntime:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        # Bookkeeping still running (store writes, lease releases retried against a producer
+        # that does not answer) gets a few seconds, then is cancelled.
+        if self._background:
+            _, late = await asyncio.wait(list(self._background), timeout=BACKGROUND_GRACE_S)
+            for task in late:
+                task.cancel()
         for task in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -126,34 +156,75 @@ class WorkerRuntime:
         )
 
     async def _heartbeat_forever(self) -> None:
-        assert self.registry is not None and self.index is not None
         while True:
             try:
-                stats, evicted = await self.loop.call(
-                    lambda e: (e.stats(), e.kv.pool.drain_evicted())
-                )
-                await self.registry.heartbeat(
-                    WorkerInfo(
-                        worker_id=self.worker_id,
-                        role=self.config.role,
-                        address=self.address,
-                        model=self.model,
-                        num_kv_blocks_total=stats.num_kv_blocks_total,
-                        num_kv_blocks_free=stats.num_kv_blocks_free,
-                        num_running=stats.num_running,
-                        num_waiting=stats.num_waiting,
-                        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                        max_model_len=self.engine.max_model_len,
-                    )
-                )
-                await self.index.remove(self.worker_id, [int(h) for h in evicted])
-                self.metrics.redis.ok()
+                await self.heartbeat_once()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._index_stale = True
                 log.warning("heartbeat to Redis failed: %s", exc)
                 self.metrics.redis.failed("heartbeat")
             await asyncio.sleep(self.config.heartbeat_s)
+
+    async def heartbeat_once(self) -> None:
+        """Registry entry, then the index: evictions since the last beat leave it, and when
+        Redis lost our entry (it restarted, or we were unreachable past the TTL) or a write
+        failed since, every block we hold is published again. So after an outage the index
+        is rebuilt by the workers themselves within a heartbeat of Redis coming back."""
+        assert self.registry is not None and self.index is not None
+
+        def read(engine: Engine) -> tuple[EngineStats, list[int]]:
+            pool = engine.kv.pool
+            # A hash evicted and cached again since stays in the index.
+            evicted = [int(h) for h in pool.drain_evicted() if pool.cached(h) is None]
+            return engine.stats(), evicted
+
+        stats, evicted = await self.loop.call(read)
+        self._pending_removals.extend(evicted)
+        fresh = await self.registry.heartbeat(
+            WorkerInfo(
+                worker_id=self.worker_id,
+                role=self.config.role,
+                address=self.address,
+                model=self.model,
+                num_kv_blocks_total=stats.num_kv_blocks_total,
+                num_kv_blocks_free=stats.num_kv_blocks_free,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                max_model_len=self.engine.max_model_len,
+            )
+        )
+        self.metrics.redis.ok()
+        if fresh or self._index_stale:
+            await self._republish()
+        elif self._pending_removals:
+            removals = list(self._pending_removals)
+            await self.index.remove(self.worker_id, removals)
+            del self._pending_removals[: len(removals)]
+
+    async def _republish(self) -> None:
+        assert self.index is not None
+        self._index_stale = False  # a write failing from here on marks it again
+
+        def read(engine: Engine) -> list[int]:
+            return [int(h) for h in engine.kv.pool.cached_hashes()]
+
+        hashes = await self.loop.call(read)
+        held = set(hashes)
+        # Evictions Redis missed: gone from a Redis that kept its data, harmless on an empty one.
+        removals = [h for h in self._pending_removals if h not in held]
+        self._pending_removals.clear()
+        try:
+            await self.index.publish(self.worker_id, hashes, self.tier)
+            await self.index.remove(self.worker_id, removals)
+        except BaseException:
+            self._index_stale = True
+            self._pending_removals.extend(removals)
+            raise
+        self.metrics.index_republished(len(hashes))
+        log.info("published the %d blocks held here to the prefix index", len(hashes))
 
     # -- KV bookkeeping -------------------------------------------------------------------------
 
@@ -180,10 +251,57 @@ class WorkerRuntime:
         try:
             await self.index.publish(self.worker_id, block_hashes, self.tier)
         except Exception as exc:
+            self._index_stale = True
             self.metrics.redis.failed("index_publish")
             log.warning(
                 "publishing %d blocks to the prefix index failed: %s", len(block_hashes), exc
             )
+
+    # -- the block store: best effort, short timeouts, skipped while failing ----------------------
+
+    def store_timeout(self, timeout_s: float | None) -> float:
+        """A block store read's timeout: the caller's time left, at most blockstore_timeout_s."""
+        limit = self.config.blockstore_timeout_s
+        return limit if timeout_s is None else min(timeout_s, limit)
+
+    async def store_call(self, call: Awaitable[T]) -> T:
+        """Runs one block store operation through the store's circuit breaker: raises
+        UnavailableError at once while the breaker is open; a store that cannot be reached,
+        errs or times out counts as a failure, any answer (NOT_FOUND too) as a success."""
+        if not self.store_breaker.acquire():
+            if inspect.iscoroutine(call):
+                call.close()
+            raise BlockStoreSkipped("the block store is failing; skipped for a few seconds")
+        try:
+            result = await call
+        except grpc.aio.AioRpcError as exc:
+            self._store_outcome(exc.code() not in PEER_FAILURE_CODES | _TIMEOUT_CODES)
+            raise
+        except (UnavailableError, asyncio.TimeoutError):
+            self._store_outcome(False)
+            raise
+        except PdserveError:
+            self._store_outcome(True)
+            raise
+        self._store_outcome(True)
+        return result
+
+    def _store_outcome(self, ok: bool) -> None:
+        if ok:
+            self.store_breaker.success()
+        else:
+            self.store_breaker.failure()
+
+    def _store_state_changed(self, old: CircuitState, new: CircuitState) -> None:
+        self.metrics.block_store_up.set(1 if new is CircuitState.CLOSED else 0)
+        if new is CircuitState.OPEN:
+            log.warning(
+                "the block store at %s keeps failing; leaving it alone for %.0f s",
+                self.config.blockstore,
+                self.store_breaker.cooldown_s,
+            )
+        elif new is CircuitState.CLOSED:
+            log.info("the block store at %s answers again", self.config.blockstore)
 
     async def store_blocks(self, block_hashes: list[int], data: Any) -> None:
         """Writes full blocks to the block store (two-phase put; existing ones skipped)."""
@@ -191,9 +309,11 @@ class WorkerRuntime:
             return
         start = time.perf_counter()
         try:
-            num_written = await self.store.put(
-                block_hashes, data[: len(block_hashes)], timeout_s=30.0
+            num_written = await self.store_call(
+                self.store.put(block_hashes, data[: len(block_hashes)], timeout_s=PUT_TIMEOUT_S)
             )
+        except BlockStoreSkipped:
+            return
         except Exception as exc:
             self.metrics.transfer_failed(BLOCK_STORE, SENT)
             log.warning("writing %d blocks to the block store failed: %s", len(block_hashes), exc)
@@ -224,14 +344,22 @@ class WorkerRuntime:
                 local = await self.loop.call(
                     lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
                 )
-                present = await self.store.contains(hashes, timeout_s=timeout_s)
+                store = self.store
+                present = await self.store_call(
+                    store.contains(hashes, timeout_s=self.store_timeout(timeout_s))
+                )
                 span.set_attributes(
                     {"pdserve.kv.local_tokens": local, "pdserve.kv.store_blocks": present}
                 )
                 if present * block_size <= local:
                     return None
                 start = time.perf_counter()
-                data = await self.store.get(hashes[:present], timeout_s=timeout_s)
+                data = await self.store_call(
+                    store.get(hashes[:present], timeout_s=self.store_timeout(timeout_s))
+                )
+            except BlockStoreSkipped:
+                span.set_attribute("pdserve.kv.store_skipped", True)
+                return None
             except Exception as exc:
                 self.metrics.transfer_failed(BLOCK_STORE, RECEIVED)
                 record_error(span, exc)

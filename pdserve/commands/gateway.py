@@ -42,6 +42,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="prefix-aware (default); load and round-robin ignore the prefix index (baselines)",
     )
     parser.add_argument("--max-in-flight", type=int, default=1024)
+    parser.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=60.0,
+        help="per-hop limit of a prefill call; past it (or when the worker dies) the prompt "
+        "moves to another prefill worker, else to the decode worker; 0 = the client's "
+        "deadline only",
+    )
+    parser.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=3,
+        help="consecutive failed calls after which a worker gets no traffic for a cool-down",
+    )
+    parser.add_argument(
+        "--breaker-cooldown-s",
+        type=float,
+        default=5.0,
+        help="how long a failing worker is left alone before one probe call",
+    )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
     add_metrics_port_arg(parser)
@@ -63,6 +83,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         overlap_weight=args.overlap_weight,
         routing_policy=args.routing_policy,
         max_in_flight=args.max_in_flight,
+        prefill_timeout_s=args.prefill_timeout_s,
+        breaker_failure_threshold=args.breaker_failures,
+        breaker_cooldown_s=args.breaker_cooldown_s,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,

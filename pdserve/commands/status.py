@@ -6,14 +6,21 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 
 import grpc
 
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient
 from pdserve.common.v1 import common_pb2
+from pdserve.gateway.v1 import gateway_pb2
 from pdserve.launcher import StackState, run_dir
 
+CIRCUIT_NAMES = {
+    gateway_pb2.CIRCUIT_STATE_CLOSED: "closed",
+    gateway_pb2.CIRCUIT_STATE_OPEN: "open",
+    gateway_pb2.CIRCUIT_STATE_HALF_OPEN: "half_open",
+}
 ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
@@ -92,6 +99,19 @@ async def fetch(target: str) -> list[dict[str, object]]:
     for worker, metrics in zip(workers, figures, strict=True):
         if metrics is not None:
             worker["metrics"] = metrics
+    circuits = {c.worker_id: c for c in reply.circuits}
+    for worker, status in zip(workers, reply.workers, strict=True):
+        if status.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+            circuit = circuits.get(status.worker_id)
+            worker["circuit"] = CIRCUIT_NAMES[circuit.state] if circuit else "closed"
+            if circuit is not None:
+                worker["consecutive_failures"] = circuit.consecutive_failures
+        if status.role == common_pb2.WORKER_ROLE_GATEWAY and reply.HasField("routing_index"):
+            index = reply.routing_index
+            worker["index_available"] = index.available
+            if not index.available:
+                worker["index_error"] = index.error
+                worker["index_unavailable_since_unix_ms"] = index.unavailable_since_unix_ms
     return workers
 
 
@@ -116,7 +136,31 @@ def run(args: argparse.Namespace) -> int:
               f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
               f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "
               f"{_count(m, 'generation_tokens'):>8} {ttft:>8}")  # fmt: skip
+    for line in health_lines(workers):
+        print(line)
     return 0
+
+
+def health_lines(workers: list[dict[str, object]]) -> list[str]:
+    """What the gateway says about Redis and the workers it avoids, as text."""
+    lines = []
+    for w in workers:
+        if w["role"] == "gateway" and w.get("index_available") is False:
+            since_ms = w["index_unavailable_since_unix_ms"]
+            assert isinstance(since_ms, int)
+            since = time.strftime("%H:%M:%S", time.localtime(since_ms / 1000))
+            lines.append(
+                f"routing index (Redis): UNAVAILABLE since {since} ({w['index_error']}); "
+                "routing by load only on the last known workers"
+            )
+        elif w["role"] == "gateway" and w.get("index_available") is True:
+            lines.append("routing index (Redis): available")
+        if w.get("circuit", "closed") != "closed":
+            lines.append(
+                f"circuit breaker {w['circuit']}: {w['id']} "
+                f"({w['consecutive_failures']} failed calls in a row); the gateway avoids it"
+            )
+    return lines
 
 
 def _count(figures: dict[str, float], key: str) -> str:

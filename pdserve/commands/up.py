@@ -40,6 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--detach", action="store_true", help="return once SERVING; stop with down")
     up.add_argument("--timeout-s", type=float, default=600.0, help="start-up limit per process")
     up.add_argument("--local-prefill-tokens", type=int, default=None)
+    failures = up.add_argument_group("failure handling (see pdserve gateway|decode --help)")
+    failures.add_argument("--prefill-timeout-s", type=float, default=None, help="gateway")
+    failures.add_argument("--breaker-failures", type=int, default=None, help="gateway")
+    failures.add_argument("--breaker-cooldown-s", type=float, default=None, help="gateway")
+    failures.add_argument(
+        "--kv-load-failure", choices=["recompute", "fail"], default=None, help="decode workers"
+    )
+    failures.add_argument("--kv-pull-timeout-s", type=float, default=None, help="decode workers")
+    failures.add_argument("--blockstore-timeout-s", type=float, default=None, help="workers")
+    failures.add_argument("--lease-ttl-s", type=float, default=None, help="workers")
     up.add_argument("--dtype", default=None)
     up.add_argument("--device", default=None)
     up.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
@@ -69,6 +79,20 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    flags: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+_GATEWAY_FLAGS = ("prefill_timeout_s", "breaker_failures", "breaker_cooldown_s")
+_WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s")
+_DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
 
 
 def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
@@ -134,7 +158,10 @@ def run_up(args: argparse.Namespace) -> int:
             for i in range(count):
                 port = free_port()
                 argv = [*python, role, "--port", str(port), "--model", model,
-                        "--worker-id", f"{role}-{i}", *common, *store_flags, *_engine_flags(args)]  # fmt: skip
+                        "--worker-id", f"{role}-{i}", *common, *store_flags, *_engine_flags(args),
+                        *_flags(args, _WORKER_FLAGS)]  # fmt: skip
+                if role == "decode":
+                    argv += _flags(args, _DECODE_FLAGS)
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))
         gateway_argv = [*python, "gateway", "--port", str(args.port), "--model", model,
                         "--worker-id", "gateway-0", *common]  # fmt: skip
@@ -142,6 +169,7 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_argv += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
         if args.block_size is not None:
             gateway_argv += ["--block-size", str(args.block_size)]
+        gateway_argv += _flags(args, _GATEWAY_FLAGS)
         gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}")
         state.gateway = gateway.address
         state.save(state_path)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 
-from common.worker.config import WorkerConfig
+from common.worker.config import KV_LOAD_FAILURE_POLICIES, WorkerConfig
 from pdserve.commands.telemetry_args import add_metrics_port_arg
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 
@@ -34,6 +34,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--lease-ttl-s", type=float, default=30.0, help="KV lease lifetime")
         parser.add_argument("--drain-grace-s", type=float, default=10.0)
+        parser.add_argument(
+            "--blockstore-timeout-s",
+            type=float,
+            default=5.0,
+            help="most a block store read on a request's path may take; a store that fails "
+            "is skipped for a few seconds (requests never fail because of it)",
+        )
+        if role == "decode":
+            parser.add_argument(
+                "--kv-load-failure",
+                choices=KV_LOAD_FAILURE_POLICIES,
+                default="recompute",
+                help="when a request's KV can be pulled neither from its prefill worker nor "
+                "(every full block) from the block store: recompute it here, or fail the "
+                "request (UNAVAILABLE, reason KV_LOAD_FAILED)",
+            )
+            parser.add_argument(
+                "--kv-pull-timeout-s",
+                type=float,
+                default=60.0,
+                help="most a KV pull from a prefill worker may take before the block store "
+                "and recompute take over",
+            )
         add_metrics_port_arg(parser)
         add_engine_args(parser)
         parser.set_defaults(func=run, role=role)
@@ -55,6 +78,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         lease_ttl_s=args.lease_ttl_s,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
+        blockstore_timeout_s=args.blockstore_timeout_s,
+        kv_load_failure=getattr(args, "kv_load_failure", "recompute"),
+        kv_pull_timeout_s=getattr(args, "kv_pull_timeout_s", 60.0),
     )
 
 

@@ -6,7 +6,9 @@ Redis and a block stored and evicted between two flushes costs one HDEL. One tas
 writes the pending changes as they come, and every ``ttl_s / 2`` republishes every block
 the store holds, so that entries (which carry a TTL) outlive neither the block nor a store
 that died without cleaning up. Because that one task does every index write, a refresh can
-never overwrite a later removal. The index is advisory: a failed write is logged, kept
+never overwrite a later removal. When Redis comes back from an outage (the heartbeat finds
+the store's registry entry gone, or had failed), ``refresh_soon`` republishes everything at
+once, so the index is whole again within a heartbeat. The index is advisory: a failed write is logged, kept
 pending and retried; it never fails an RPC.
 """
 
@@ -38,6 +40,7 @@ class IndexSync:
         self._wake = asyncio.Event()
         self._indexes: dict[str, PrefixIndex] = {}
         self._unindexable: set[str] = set()  # model names that cannot be part of a key
+        self._refresh_now = False
 
     # -- StoreListener ------------------------------------------------------------------------
 
@@ -59,8 +62,13 @@ class IndexSync:
             self._wake.clear()
             try:
                 await self.flush()
-                if loop.time() >= next_refresh:
-                    await self.refresh()
+                if self._refresh_now or loop.time() >= next_refresh:
+                    self._refresh_now = False
+                    try:
+                        await self.refresh()
+                    except BaseException:
+                        self._refresh_now = True
+                        raise
                     next_refresh = loop.time() + refresh_s
             except asyncio.CancelledError:
                 raise
@@ -68,6 +76,11 @@ class IndexSync:
                 log.warning("writing the prefix index failed, will retry: %s", exc)
                 await asyncio.sleep(RETRY_S)
                 self._wake.set()
+
+    def refresh_soon(self) -> None:
+        """Republish every committed block at once (Redis came back without them)."""
+        self._refresh_now = True
+        self._wake.set()
 
     async def flush(self) -> None:
         """Writes the pending changes; on failure they stay pending (unless superseded)."""

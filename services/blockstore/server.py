@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from common.index import redis_client
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, create_server, serve_until_signal
@@ -103,9 +104,7 @@ class BlockStoreProcess:
             await self._connect_redis(self.config.redis_url)
 
     async def _connect_redis(self, url: str) -> None:
-        import redis.asyncio
-
-        self.redis = redis.asyncio.from_url(url)
+        self.redis = redis_client.connect(url)
         try:
             await asyncio.wait_for(self.redis.ping(), REDIS_CLEANUP_S)
         except Exception as exc:
@@ -120,11 +119,18 @@ class BlockStoreProcess:
 
     async def _heartbeat_forever(self) -> None:
         assert self.registry is not None
+        stale = False
         while True:
             try:
-                await self.registry.heartbeat(self.worker_info())
+                fresh = await self.registry.heartbeat(self.worker_info())
                 self.metrics.redis.ok()
+                if (fresh or stale) and self.index_sync is not None:
+                    # Redis lost our entry (it restarted empty) or missed writes: put every
+                    # block back into the prefix index now, not at the next refresh.
+                    self.index_sync.refresh_soon()
+                stale = False
             except Exception as exc:
+                stale = True
                 log.warning("heartbeat to Redis failed: %s", exc)
                 self.metrics.redis.failed("heartbeat")
             await asyncio.sleep(self.config.heartbeat_s)

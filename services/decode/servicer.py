@@ -16,15 +16,13 @@ from common.engine.engine import RequestOutput
 from common.engine.request import KvImport
 from common.engine.sampling_params import SamplingParams
 from common.errors import (
-    DataLossError,
     FailedPreconditionError,
     InvalidRequestError,
-    NotFoundError,
-    UnavailableError,
+    KvLoadError,
 )
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import KvLayout
-from common.kv.pull import pull_kv, release_lease, transfer_attributes
+from common.kv.pull import RELEASE_RETRY_S, pull_kv, release_lease, transfer_attributes
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.rpc.tracing import record_error
@@ -68,7 +66,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         kv_import: KvImport | None = None
         transfer = _Transfer()
         if source == "kv_handle":
-            kv_import, transfer = await self._fetch(request.kv_handle, prompt, generated, timeout)
+            kv_import, transfer = await self._fetch(
+                request.kv_handle, prompt, generated, salt, timeout
+            )
         else:
             kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
             if kv_import is not None:
@@ -132,9 +132,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         handle: common_pb2.KvHandle,
         prompt: list[int],
         generated: list[int],
+        salt: str | None,
         timeout: float | None,
-    ) -> tuple[KvImport, _Transfer]:
-        """The prompt's KV: from the producer, else full blocks from the block store."""
+    ) -> tuple[KvImport | None, _Transfer]:
+        """The prompt's KV: pulled from its producer; when that fails (the producer died,
+        hangs past --kv-pull-timeout-s, lost the lease, sent corrupt bytes), the full blocks
+        the block store holds; what neither supplies is recomputed here, or with
+        ``--kv-load-failure fail`` the request fails with UNAVAILABLE (reason
+        KV_LOAD_FAILED). None: everything is computed here."""
         runtime = self.runtime
         if not generated:
             raise InvalidRequestError("generated_token_ids", "a kv_handle needs the first token")
@@ -150,30 +155,93 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         runtime.layout.check_same(KvLayout.from_pb(handle.layout), "kv_handle")
         channel = runtime.channels.get(handle.producer_address)
         metrics = runtime.metrics
+        pull_timeout = runtime.config.kv_pull_timeout_s
+        if timeout is not None:
+            pull_timeout = min(pull_timeout, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            pulled = await pull_kv(channel, handle, runtime.layout, timeout)
-        except (UnavailableError, NotFoundError, DataLossError) as exc:
-            metrics.transfer_failed(PRODUCER, RECEIVED)
-            log.info(
-                "request %s: producer pull failed (%s); trying the block store",
-                handle.request_id,
-                exc,
-            )
-            return await self._from_store(handle, timeout)
-        except BaseException:
+            pulled = await pull_kv(channel, handle, runtime.layout, pull_timeout)
+        except asyncio.CancelledError:
             metrics.transfer_failed(PRODUCER, RECEIVED)
             raise
+        except Exception as exc:
+            metrics.transfer_failed(PRODUCER, RECEIVED)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise asyncio.TimeoutError("the deadline passed while pulling KV") from exc
+            log.warning(
+                "request %s: pulling KV from %s failed (%s); trying the block store",
+                handle.request_id,
+                handle.producer_address,
+                _describe(exc),
+            )
+            return await self._recover(handle, prompt, salt, timeout, _describe(exc))
         finally:
-            runtime.in_background(release_lease(channel, handle.lease_id))
+            runtime.in_background(
+                release_lease(
+                    channel,
+                    handle.lease_id,
+                    retry_for_s=RELEASE_RETRY_S,
+                    expiry_unix_ms=handle.lease_expiry_unix_ms,
+                )
+            )
         metrics.transferred(
             PRODUCER, RECEIVED, pulled.num_bytes, pulled.num_blocks, pulled.elapsed_ms / 1000
         )
         transfer = _Transfer(PRODUCER, pulled.num_bytes, pulled.elapsed_ms)
         return KvImport(handle.num_tokens, pulled.data), transfer
 
+    async def _recover(
+        self,
+        handle: common_pb2.KvHandle,
+        prompt: list[int],
+        salt: str | None,
+        timeout: float | None,
+        why: str,
+    ) -> tuple[KvImport | None, _Transfer]:
+        """After a failed pull: the block store's blocks, then recompute (or fail)."""
+        runtime = self.runtime
+        metrics = runtime.metrics
+        wanted = len(handle.block_hashes)
+        kv: KvImport | None = None
+        transfer = _Transfer()
+        store_error = ""
+        try:
+            kv, transfer = await self._from_store(handle, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            store_error = _describe(exc)
+        num_blocks = 0 if kv is None else kv.num_tokens // runtime.engine.block_size
+        if wanted and num_blocks == wanted:
+            metrics.kv_load_fallbacks.labels("block_store").inc()
+            return kv, transfer
+        if runtime.config.kv_load_failure == "fail":
+            metrics.kv_load_fallbacks.labels("failed").inc()
+            store_what = store_error or f"it holds {num_blocks} of the {wanted} full blocks"
+            raise KvLoadError(
+                f"the KV of request {handle.request_id} could not be loaded: producer "
+                f"{handle.producer_address}: {why}; block store: {store_what} "
+                "(this decode worker runs with --kv-load-failure fail)"
+            )
+        metrics.kv_load_fallbacks.labels("recompute").inc()
+        if kv is not None:
+            # This worker's own prefix cache may hold more of the prompt than the store.
+            num_store_tokens = kv.num_tokens
+            local = await runtime.loop.call(lambda e: e.num_cached_prefix_tokens(prompt, salt))
+            if local >= num_store_tokens:
+                kv, transfer = None, _Transfer()
+        log.warning(
+            "request %s: recomputing %d of %d prompt tokens here (block store: %s)",
+            handle.request_id,
+            len(prompt) - (kv.num_tokens if kv is not None else 0),
+            len(prompt),
+            store_error or f"{num_blocks} of {wanted} full blocks",
+        )
+        return kv, transfer
+
     async def _from_store(
         self, handle: common_pb2.KvHandle, timeout: float | None
-    ) -> tuple[KvImport, _Transfer]:
+    ) -> tuple[KvImport | None, _Transfer]:
         metrics = self.runtime.metrics
         with tracer().start_as_current_span("kv_transfer", kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.kv.source", BLOCK_STORE)
@@ -184,6 +252,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 metrics.transfer_failed(BLOCK_STORE, RECEIVED)
                 record_error(span, exc)
                 raise
+            if kv is None:
+                span.set_attribute("pdserve.kv.blocks", 0)
+                return None, _Transfer()
             seconds = time.perf_counter() - start
             num_bytes = kv.data.numel() * kv.data.element_size()
             num_blocks = int(kv.data.shape[0])
@@ -191,22 +262,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             span.set_attributes(transfer_attributes(num_bytes, num_blocks, seconds))
         return kv, _Transfer(BLOCK_STORE, num_bytes, seconds * 1000)
 
-    async def _store_blocks(self, handle: common_pb2.KvHandle, timeout: float | None) -> KvImport:
-        store = self.runtime.store
+    async def _store_blocks(
+        self, handle: common_pb2.KvHandle, timeout: float | None
+    ) -> KvImport | None:
+        """The leading full blocks of the handle the store holds; None when none."""
+        runtime = self.runtime
+        store = runtime.store
         hashes = list(handle.block_hashes)
         if store is None or not hashes:
-            raise NotFoundError(
-                f"KV of request {handle.request_id} is gone from its producer and no block store "
-                "holds it; retry with local_prefill"
-            )
-        present = await store.contains(hashes, timeout_s=timeout)
+            return None
+        present = await runtime.store_call(
+            store.contains(hashes, timeout_s=runtime.store_timeout(timeout))
+        )
         if present == 0:
-            raise NotFoundError(
-                f"the block store holds none of request {handle.request_id}'s blocks"
-            )
-        data = await store.get(hashes[:present], timeout_s=timeout)
+            return None
+        data = await runtime.store_call(
+            store.get(hashes[:present], timeout_s=runtime.store_timeout(timeout))
+        )
         # The tail (a partial block, or blocks the store lacks) is recomputed locally.
-        return KvImport(present * self.runtime.engine.block_size, data)
+        return KvImport(present * runtime.engine.block_size, data)
 
     @rpc_method
     async def GetStatus(
@@ -307,3 +381,9 @@ class _Stream:
             ((self.first_at or now) - self.arrival) * 1000,
             (now - self.arrival) * 1000,
         )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

@@ -23,6 +23,13 @@ class GatewayConfig:
     routing_policy: str = "prefix-aware"  # or "load", "round-robin" (baselines)
     max_in_flight: int = 1024  # admission bound: beyond it, RESOURCE_EXHAUSTED at once
     registry_refresh_s: float = 0.25
+    # Per-hop limit of a prefill call (0 = only the client's deadline): past it the prompt
+    # moves to another prefill worker, or to the decode worker when none is left.
+    prefill_timeout_s: float = 60.0
+    # A worker failing this many calls in a row gets none for breaker_cooldown_s; then one
+    # probe call per cool-down until one succeeds.
+    breaker_failure_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
     drain_grace_s: float = 10.0
     worker_id: str | None = None
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
@@ -38,6 +45,12 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.prefill_timeout_s < 0:
+            raise ValueError(f"prefill_timeout_s must be >= 0, got {self.prefill_timeout_s}")
+        if self.breaker_failure_threshold < 1:
+            raise ValueError("breaker_failure_threshold must be >= 1")
+        if self.breaker_cooldown_s <= 0:
+            raise ValueError("breaker_cooldown_s must be positive")
 
     @property
     def served_model_name(self) -> str:

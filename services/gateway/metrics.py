@@ -1,4 +1,6 @@
-"""The gateway's Prometheus metrics: requests as the client sees them, and routing."""
+"""The gateway's Prometheus metrics: requests as the client sees them, routing, and the
+health of what routing depends on (Redis, each worker's circuit breaker, prefill
+failovers)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,35 @@ class GatewayMetrics:
         for reason in REASONS:  # every series exists from the start, at 0
             self._routing.labels(reason)
         self.redis = RedisHealth(registry)
+        self.index_available = Gauge(
+            metric_name("index_available"),
+            "1 while routing uses the prefix index and registry in Redis; 0 while Redis is "
+            "unreachable and requests are routed by load on the last known workers.",
+            registry=registry,
+        )
+        self.routed_without_index = Counter(
+            metric_name("routing_without_index"),
+            "Requests routed by load only because the prefix index could not be read.",
+            registry=registry,
+        )
+        self.circuit_open = Gauge(
+            metric_name("circuit_breaker_open"),
+            "1 while the gateway avoids a worker that failed repeatedly (open or probing).",
+            ["worker_id"], registry=registry,
+        )  # fmt: skip
+        self.circuit_trips = Counter(
+            metric_name("circuit_breaker_trips"),
+            "Times a worker's circuit breaker opened after consecutive failures.",
+            ["worker_id"], registry=registry,
+        )  # fmt: skip
+        self.prefill_failovers = Counter(
+            metric_name("prefill_failovers"),
+            "Prefill calls that failed (worker unreachable, reset, timed out, overloaded) and "
+            "moved on, by where to: another prefill worker, or the decode worker.",
+            ["to"], registry=registry,
+        )  # fmt: skip
+        for to in ("prefill", "decode"):
+            self.prefill_failovers.labels(to)
 
     def routed(self, reason: str) -> None:
         self._routing.labels(reason).inc()

@@ -94,12 +94,9 @@ class Router:
         if self.policy == "load":
             overlap = {}
 
-        def tiebreak(w: WorkerInfo) -> int:
-            # Stable per request, different across requests: spreads ties evenly.
-            return zlib.crc32(f"{request_id}/{w.worker_id}".encode())
-
         def decode_key(w: WorkerInfo) -> tuple[float, ...]:
-            return (w.num_running + self.in_flight[w.worker_id], -w.num_kv_blocks_free, tiebreak(w))
+            load = w.num_running + self.in_flight[w.worker_id]
+            return (load, -w.num_kv_blocks_free, _tiebreak(request_id, w))
 
         best_cached = max(decodes, key=lambda w: (overlap.get(w.worker_id, 0), -decode_key(w)[0]))
         cached_tokens = overlap.get(best_cached.worker_id, 0) * self.block_size
@@ -111,11 +108,27 @@ class Router:
                 reason = LOCAL_PREFILL_CACHED if cached_tokens else LOCAL_PREFILL_SHORT
             return Route(target, None, overlap.get(target.worker_id, 0), reason)
 
-        def prefill_score(w: WorkerInfo) -> tuple[float, int]:
-            load = w.num_waiting + self.in_flight[w.worker_id]
-            return (self.overlap_weight * overlap.get(w.worker_id, 0) - load, -tiebreak(w))
-
-        prefill = max(prefills, key=prefill_score)
+        prefill = self.best_prefill(request_id, overlap, prefills)
         overlap_blocks = overlap.get(prefill.worker_id, 0)
         reason = PREFIX_OVERLAP if overlap_blocks else LOAD
         return Route(min(decodes, key=decode_key), prefill, overlap_blocks, reason)
+
+    def best_prefill(
+        self, request_id: str, overlap: dict[str, int], prefills: list[WorkerInfo]
+    ) -> WorkerInfo:
+        """The prefill worker with the highest ``overlap_weight * overlap - load``; also
+        where a request goes next when its prefill worker failed (``prefills`` without it)."""
+
+        def prefill_score(w: WorkerInfo) -> tuple[float, int]:
+            load = w.num_waiting + self.in_flight[w.worker_id]
+            return (
+                self.overlap_weight * overlap.get(w.worker_id, 0) - load,
+                -_tiebreak(request_id, w),
+            )
+
+        return max(prefills, key=prefill_score)
+
+
+def _tiebreak(request_id: str, w: WorkerInfo) -> int:
+    # Stable per request, different across requests: spreads ties evenly.
+    return zlib.crc32(f"{request_id}/{w.worker_id}".encode())

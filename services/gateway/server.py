@@ -10,9 +10,9 @@ import socket
 from typing import Any
 
 import grpc
-import redis.asyncio
 from prometheus_client import CollectorRegistry
 
+from common.index import redis_client
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.models.spec import load_spec
@@ -24,6 +24,7 @@ from common.text.tokenizer import Tokenizer
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
+from services.gateway.health import IndexHealth
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
 
@@ -38,11 +39,11 @@ async def start_gateway(
     ``servicer.metrics.registry``)."""
     tokenizer = await asyncio.to_thread(Tokenizer, config.model)
     spec = await asyncio.to_thread(load_spec, config.model)
-    client = redis.asyncio.from_url(config.redis_url)
+    client = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(client)
     metrics_registry = metrics_registry or CollectorRegistry()
     metrics = GatewayMetrics(metrics_registry, config.served_model_name)
-    directory = WorkerDirectory(registry, config.registry_refresh_s, metrics.redis)
+    directory = WorkerDirectory(registry, config.registry_refresh_s, IndexHealth(metrics))
     index = PrefixIndex(client, config.served_model_name)
     holder: list[GatewayServicer] = []
 
@@ -81,10 +82,10 @@ async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> Non
                     num_running=servicer.num_in_flight,
                 )
             )
-            servicer.metrics.redis.ok()
+            servicer.health.ok()
         except Exception as exc:
-            log.warning("gateway heartbeat failed: %s", exc)
-            servicer.metrics.redis.failed("heartbeat")
+            log.debug("gateway heartbeat failed: %s", exc)
+            servicer.health.failed("heartbeat", exc)
         await asyncio.sleep(HEARTBEAT_S)
 
 

@@ -18,17 +18,20 @@ from common.engine.sampling_params import SamplingParams
 from common.errors import (
     AlreadyExistsError,
     InvalidRequestError,
+    KvLoadError,
     NotFoundError,
     PdserveError,
     QueueFullError,
     UnavailableError,
 )
 from common.index.prefix_index import PrefixIndex, prefix_overlap
+from common.index.registry import WorkerInfo
 from common.kv.hashing import HASH_SCHEME_VERSION, hash_prompt_blocks
-from common.kv.pull import release_lease
+from common.kv.pull import RELEASE_RETRY_S, release_lease
 from common.models.spec import ModelSpec
+from common.rpc.breaker import PEER_FAILURE_CODES, CircuitState
 from common.rpc.channels import ChannelPool, remaining_timeout
-from common.rpc.errors import from_rpc_error, rpc_method
+from common.rpc.errors import from_rpc_error, reason_of, rpc_method
 from common.rpc.tracing import ClientSpan, client_span
 from common.telemetry.logs import bind_request_id
 from common.telemetry.tracing import tracer
@@ -41,6 +44,7 @@ from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
 from services.gateway.frontend import prompt_token_ids
+from services.gateway.health import IndexHealth, WorkerBreakers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import Relay
 from services.gateway.routing import Route, Router
@@ -51,6 +55,24 @@ log = logging.getLogger(__name__)
 
 PREFILL_METHOD = "/pdserve.prefill.v1.PrefillService/Prefill"
 DECODE_METHOD = "/pdserve.decode.v1.DecodeService/Decode"
+
+# A prefill call that ends with one of these moves on to another worker: the worker died,
+# reset the connection, crashed mid-call or was stopped under it.
+_PREFILL_FAILOVER_CODES = PEER_FAILURE_CODES | {grpc.StatusCode.CANCELLED}
+# ... and after these it may have pinned KV under the lease id we chose: release it.
+_MAY_HOLD_KV = _PREFILL_FAILOVER_CODES | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+_CIRCUIT_STATES = {
+    CircuitState.CLOSED: gateway_pb2.CIRCUIT_STATE_CLOSED,
+    CircuitState.OPEN: gateway_pb2.CIRCUIT_STATE_OPEN,
+    CircuitState.HALF_OPEN: gateway_pb2.CIRCUIT_STATE_HALF_OPEN,
+}
+
+
+class _PrefillFailed(Exception):
+    """A prefill worker failed the call in a way another worker (or the decode worker) may
+    not: unreachable, reset, crashed, or silent past --prefill-timeout-s."""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -74,6 +96,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.directory = directory
         self.index = index
+        self.health = directory.health or IndexHealth(metrics)
+        directory.health = self.health
+        self.breakers = WorkerBreakers(
+            metrics, config.breaker_failure_threshold, config.breaker_cooldown_s
+        )
         self.router = Router(
             config.block_size,
             config.local_prefill_tokens,
@@ -158,12 +185,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         route: Route | None = None
         failure: BaseException | None = None
         try:
-            route = await self._route(request_id, prompt, salt)
+            route, overlap = await self._route(request_id, prompt, salt)
             span.set_attributes(route_attributes(route))
             # aclosing: when the client goes away, _run's cleanup (lease release, cancelling
             # the decode call) runs now, not whenever the generator is collected.
             async with contextlib.aclosing(
-                self._run(route, relay, sampling, salt, context)
+                self._run(route, overlap, relay, sampling, salt, context)
             ) as messages:
                 async for message in messages:
                     yield message
@@ -176,31 +203,57 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             record_request(span, self.metrics, relay, route, failure)
             failure = None  # no frame <-> traceback cycle
 
-    async def _route(self, request_id: str, prompt: list[int], salt: str | None) -> Route:
+    async def _route(
+        self, request_id: str, prompt: list[int], salt: str | None
+    ) -> tuple[Route, dict[str, int]]:
+        """The route, and the prefix overlap per location it was chosen on. Without Redis
+        (index lookups fail, or are skipped while it is down) the overlap is empty: routing
+        goes by load on the last worker list read."""
         with tracer().start_as_current_span("route") as span:
             hashes = hash_prompt_blocks(
                 prompt, self.config.block_size, salt, seed=self.config.hash_seed
             )
-            try:
-                locations = await self.index.lookup([int(h) for h in hashes])
-                self.metrics.redis.ok()
-            except Exception as exc:  # the index is advisory: route without it
-                log.warning("prefix index lookup failed: %s", exc)
-                self.metrics.redis.failed("index_lookup")
-                span.set_attribute("pdserve.route.index_error", str(exc))
-                locations = []
+            locations: list[dict[str, str]] = []
+            indexed = False
+            if self.health.should_try():
+                try:
+                    locations = await self.index.lookup([int(h) for h in hashes])
+                    self.health.ok()
+                    indexed = True
+                except Exception as exc:  # the index is advisory: route without it
+                    log.debug("prefix index lookup failed: %s", exc)
+                    self.health.failed("index_lookup", exc)
+                    span.set_attribute("pdserve.route.index_error", str(exc))
+            if not indexed:
+                self.metrics.routed_without_index.inc()
+            span.set_attribute("pdserve.route.index_used", indexed)
             overlap = prefix_overlap(locations)
             prefills = await self.directory.by_role("prefill", self.model)
             decodes = await self.directory.by_role("decode", self.model)
-            route = self.router.choose(request_id, len(prompt), overlap, prefills, decodes)
+            self.breakers.keep_only(w.worker_id for w in self.directory.known())
+            route = self.router.choose(
+                request_id,
+                len(prompt),
+                overlap,
+                self._usable(prefills),
+                self._usable(decodes) or decodes,  # all failing: try them all the same
+            )
+            self.breakers.acquire(route.decode.worker_id)
+            if route.prefill is not None:
+                self.breakers.acquire(route.prefill.worker_id)
             span.set_attributes(route_attributes(route))
             span.set_attribute("pdserve.route.num_prompt_blocks", len(hashes))
         self.metrics.routed(route.reason)
-        return route
+        return route, overlap
+
+    def _usable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The workers whose circuit breaker lets a call through now."""
+        return [w for w in workers if self.breakers.allows(w.worker_id)]
 
     async def _run(
         self,
         route: Route,
+        overlap: dict[str, int],
         relay: Relay,
         sampling: SamplingParams,
         salt: str | None,
@@ -214,8 +267,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling.to_pb(decode_request.sampling)
         handle: common_pb2.KvHandle | None = None
         first: gateway_pb2.GenerateResponse | None = None
+        prefilled = None
         if route.prefill is not None:
-            prefilled = await self._prefill(route, relay, sampling, salt, context)
+            prefilled = await self._prefill_failover(route, overlap, relay, sampling, salt, context)
+        if prefilled is not None:
             relay.cached_tokens = prefilled.cached_tokens
             first = relay.message([prefilled.first_token_id], _first_logprob(prefilled))
             if prefilled.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -245,9 +300,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 decode_request, timeout=remaining_timeout(context), metadata=span.metadata
             )
             async for message in call:
-                started = True
+                if not started:
+                    started = True
+                    self.breakers.success(decode_id)
                 reply = relay.message(list(message.token_ids), list(message.logprobs))
-                if route.prefill is None and message.finish_reason:
+                if prefilled is None and message.finish_reason:
                     relay.cached_tokens = message.cached_tokens + message.imported_tokens
                     relay.queue_ms = dispatched_ms + message.queue_ms
                 if relay.detok.stop_string is not None:
@@ -262,6 +319,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except grpc.aio.AioRpcError as exc:
             if span is not None:
                 span.failed(exc)
+            if exc.code() in PEER_FAILURE_CODES and reason_of(exc) != KvLoadError.reason:
+                self.breakers.failure(decode_id)
             error = _downstream_error(exc, f"decode worker {decode_id}")
             if relay.generated and not isinstance(error, asyncio.TimeoutError):
                 # Tokens already reached the client: close the stream's accounting first.
@@ -281,16 +340,72 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if handle is not None and not started:
                 self._release_later(handle)
 
-    async def _prefill(
+    async def _prefill_failover(
         self,
         route: Route,
+        overlap: dict[str, int],
+        relay: Relay,
+        sampling: SamplingParams,
+        salt: str | None,
+        context: grpc.aio.ServicerContext,
+    ) -> prefill_pb2.PrefillResponse | None:
+        """The prompt prefilled on ``route.prefill``; when that worker fails (unreachable,
+        connection reset, crashed, or silent past --prefill-timeout-s), on the best prefill
+        worker not tried yet whose breaker lets calls through, and so on. None when none is
+        left: then the decode worker prefills the prompt itself (it runs the whole engine)."""
+        worker = route.prefill
+        tried: set[str] = set()
+        while worker is not None:
+            try:
+                return await self._prefill(worker, relay, sampling, salt, context)
+            except _PrefillFailed as failure:
+                tried.add(worker.worker_id)
+                failed = worker
+                candidates = [
+                    w
+                    for w in self._usable(await self.directory.by_role("prefill", self.model))
+                    if w.worker_id not in tried
+                ]
+                worker = (
+                    self.router.best_prefill(relay.request_id, overlap, candidates)
+                    if candidates
+                    else None
+                )
+                if worker is not None:
+                    self.breakers.acquire(worker.worker_id)
+                self.metrics.prefill_failovers.labels("prefill" if worker else "decode").inc()
+                next_hop = (
+                    f"prefill worker {worker.worker_id}"
+                    if worker is not None
+                    else f"decode worker {route.decode.worker_id} (local prefill)"
+                )
+                log.warning(
+                    "request %s: prefill on %s failed (%s); moving to %s",
+                    relay.request_id,
+                    failed.worker_id,
+                    failure,
+                    next_hop,
+                )
+                trace.get_current_span().add_event(
+                    "prefill_failover",
+                    {
+                        "pdserve.worker_id": failed.worker_id,
+                        "pdserve.error": str(failure),
+                        "pdserve.next": next_hop,
+                    },
+                )
+        return None
+
+    async def _prefill(
+        self,
+        worker: WorkerInfo,
         relay: Relay,
         sampling: SamplingParams,
         salt: str | None,
         context: grpc.aio.ServicerContext,
     ) -> prefill_pb2.PrefillResponse:
-        assert route.prefill is not None
-        worker = route.prefill
+        """One prefill call. Raises _PrefillFailed when the worker failed (rather than
+        answered), our errors when it answered with one."""
         # Our own lease id: if we give up on the call, we can still release what it pinned.
         lease_id = f"lease-{secrets.token_hex(8)}"
         request = prefill_pb2.PrefillRequest(
@@ -300,25 +415,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             lease_id=lease_id,
         )
         sampling.to_pb(request.sampling)
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(worker.address))
+        channel = self.channels.get(worker.address)
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
         self.router.in_flight[worker.worker_id] += 1
         relay.queue_ms = (time.monotonic() - relay.arrival) * 1000
+        hop = self.config.prefill_timeout_s or None
+        left = remaining_timeout(context)
+        timeout = left if hop is None else hop if left is None else min(left, hop)
+        hop_bound = hop is not None and (left is None or hop < left)
         with client_span(
             PREFILL_METHOD, worker.address, {"pdserve.worker_id": worker.worker_id}
         ) as span:
-            call = stub.Prefill(request, timeout=remaining_timeout(context), metadata=span.metadata)
+            call = stub.Prefill(request, timeout=timeout, metadata=span.metadata)
             try:
                 response: prefill_pb2.PrefillResponse = await call
             except grpc.aio.AioRpcError as exc:
                 span.failed(exc)
+                code = exc.code()
+                if code in _MAY_HOLD_KV:
+                    # Released (or tombstoned) once the worker answers, if it ever does.
+                    self._in_background(
+                        release_lease(channel, lease_id, retry_for_s=RELEASE_RETRY_S)
+                    )
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED and hop_bound:
+                    self.breakers.failure(worker.worker_id)
+                    raise _PrefillFailed(f"no answer within --prefill-timeout-s {hop:g}") from exc
+                if code in _PREFILL_FAILOVER_CODES:
+                    if code in PEER_FAILURE_CODES:
+                        self.breakers.failure(worker.worker_id)
+                    raise _PrefillFailed(f"{code.name}: {exc.details()}") from exc
+                self.breakers.success(worker.worker_id)  # it answered, about the request
                 raise _downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
             except asyncio.CancelledError:
                 call.cancel()
                 # Released whether or not the lease exists yet: the worker remembers.
-                self._in_background(release_lease(self.channels.get(worker.address), lease_id))
+                self._in_background(release_lease(channel, lease_id, retry_for_s=RELEASE_RETRY_S))
                 raise
             finally:
                 self.router.in_flight[worker.worker_id] -= 1
+            self.breakers.success(worker.worker_id)
             span.span.set_attributes(
                 {
                     "pdserve.cached_tokens": response.cached_tokens,
@@ -329,7 +464,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return response
 
     async def _release(self, handle: common_pb2.KvHandle) -> None:
-        await release_lease(self.channels.get(handle.producer_address), handle.lease_id)
+        await release_lease(
+            self.channels.get(handle.producer_address),
+            handle.lease_id,
+            retry_for_s=RELEASE_RETRY_S,
+            expiry_unix_ms=handle.lease_expiry_unix_ms,
+        )
 
     def _release_later(self, handle: common_pb2.KvHandle) -> None:
         """Hands a lease back when no decode will pull it (cancellation, early stop)."""
@@ -374,11 +514,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GetClusterStatus(
         self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetClusterStatusResponse:
-        workers = await self.directory.registry.list()
+        try:
+            workers = await self.directory.refresh()
+        except Exception as exc:
+            workers = self.directory.known()
+            if not workers:
+                raise UnavailableError(
+                    f"the worker registry (Redis) cannot be read: {exc}"
+                ) from exc
         statuses = await cluster_status(
             workers, self.channels, self.gateway_id, self.address, self.model
         )
-        return gateway_pb2.GetClusterStatusResponse(workers=statuses)
+        return gateway_pb2.GetClusterStatusResponse(
+            workers=statuses,
+            routing_index=gateway_pb2.RoutingIndexStatus(
+                available=self.health.available,
+                error=self.health.error,
+                unavailable_since_unix_ms=self.health.unavailable_since_unix_ms,
+            ),
+            circuits=[
+                gateway_pb2.CircuitStatus(
+                    worker_id=worker_id,
+                    state=_CIRCUIT_STATES[breaker.state],
+                    consecutive_failures=breaker.consecutive_failures,
+                )
+                for worker_id, breaker in sorted(self.breakers.not_closed().items())
+            ],
+        )
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -388,10 +550,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 def _downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     """What to answer when a worker call fails. The caller's deadline, passed down, expires
-    there first: that stays DEADLINE_EXCEEDED (tokens sent stand), not a server fault."""
+    there first: that stays DEADLINE_EXCEEDED (tokens sent stand), not a server fault. A
+    decode worker that could not load the KV keeps its reason (KV_LOAD_FAILED)."""
     if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
         return asyncio.TimeoutError(f"{what}: the deadline passed")
-    return from_rpc_error(exc, what)
+    error = from_rpc_error(exc, what)
+    if isinstance(error, UnavailableError) and reason_of(exc) == KvLoadError.reason:
+        return KvLoadError(str(error))
+    return error
 
 
 def _first_logprob(response: prefill_pb2.PrefillResponse) -> list[common_pb2.TokenLogprob]:

@@ -1,11 +1,23 @@
 from pdserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class CircuitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CIRCUIT_STATE_UNSPECIFIED: _ClassVar[CircuitState]
+    CIRCUIT_STATE_CLOSED: _ClassVar[CircuitState]
+    CIRCUIT_STATE_OPEN: _ClassVar[CircuitState]
+    CIRCUIT_STATE_HALF_OPEN: _ClassVar[CircuitState]
+CIRCUIT_STATE_UNSPECIFIED: CircuitState
+CIRCUIT_STATE_CLOSED: CircuitState
+CIRCUIT_STATE_OPEN: CircuitState
+CIRCUIT_STATE_HALF_OPEN: CircuitState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -128,7 +140,31 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetClusterStatusResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "routing_index", "circuits")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CIRCUITS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerStatus, _Mapping]]] = ...) -> None: ...
+    routing_index: RoutingIndexStatus
+    circuits: _containers.RepeatedCompositeFieldContainer[CircuitStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerStatus, _Mapping]]] = ..., routing_index: _Optional[_Union[RoutingIndexStatus, _Mapping]] = ..., circuits: _Optional[_Iterable[_Union[CircuitStatus, _Mapping]]] = ...) -> None: ...
+
+class RoutingIndexStatus(_message.Message):
+    __slots__ = ("available", "error", "unavailable_since_unix_ms")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    error: str
+    unavailable_since_unix_ms: int
+    def __init__(self, available: _Optional[bool] = ..., error: _Optional[str] = ..., unavailable_since_unix_ms: _Optional[int] = ...) -> None: ...
+
+class CircuitStatus(_message.Message):
+    __slots__ = ("worker_id", "state", "consecutive_failures")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: CircuitState
+    consecutive_failures: int
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[CircuitState, str]] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...

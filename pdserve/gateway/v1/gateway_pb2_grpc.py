@@ -146,12 +146,16 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetClusterStatus(self, request, context):
-        """Lists every live process in the worker registry, this gateway included.
-        Used by `pdserve status`.
+        """Lists every live process in the worker registry, this gateway included,
+        whether routing can use the prefix index, and the workers the gateway
+        avoids because they failed repeatedly. Used by `pdserve status`.
 
         Status codes:
-        OK: the registry was read; workers may be empty.
-        UNAVAILABLE: the registry (Redis) cannot be reached.
+        OK: the registry was read (workers may be empty), or Redis cannot be
+        reached and workers is the last list this gateway read
+        (routing_index.available is false).
+        UNAVAILABLE: the registry (Redis) cannot be reached and this gateway
+        never read it.
         UNAUTHENTICATED: as for Generate.
         CANCELLED, DEADLINE_EXCEEDED: as for any call.
         """

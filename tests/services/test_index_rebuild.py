@@ -1,0 +1,224 @@
+"""Redis lost and back: workers and the block store put the prefix index back themselves.
+
+A real redis-server is killed and restarted empty on the same port (or flushed): each
+worker's next heartbeat finds its registry entry gone and republishes every block it holds;
+the block store republishes its committed blocks at once instead of at its next refresh.
+While Redis is down nothing fails. And a worker that stops heartbeating leaves the registry
+within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from common.index import keys, redis_client
+from common.index.prefix_index import PrefixIndex
+from common.index.registry import WorkerRegistry
+from common.kv.block_store_client import BlockStoreClient
+from common.kv.layout import KvLayout
+from common.worker.config import WorkerConfig
+from common.worker.runtime import WorkerRuntime
+from services.blockstore import server as blockstore_server
+from services.blockstore.config import BlockStoreConfig
+from tests.factories import make_tiny_checkpoint
+
+PROMPT = list(range(3, 56))  # 3 full blocks
+
+
+class RedisServer:
+    """A private redis-server that can be killed and started again on the same port."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
+        self.binary = binary
+        self.workdir = workdir
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(self.workdir)]
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+            ):
+                return
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                pytest.fail(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "llama")
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def locations(url: str, model: str, hashes: list[int]) -> list[dict[str, str]]:
+    client = redis_client.connect(url)
+    try:
+        return await PrefixIndex(client, model).lookup(hashes)
+    finally:
+        await client.aclose()
+
+
+def test_a_worker_republishes_its_blocks_when_redis_returns_empty(
+    tiny_dir: Path, redis_server: RedisServer
+) -> None:
+    engine_config = EngineConfig(
+        model=str(tiny_dir), num_kv_blocks=64, block_size=16, device="cpu", dtype="float32"
+    )
+    config = WorkerConfig(
+        role="decode", engine=engine_config, redis_url=redis_server.url, heartbeat_s=0.1
+    )
+
+    async def body() -> None:
+        runtime = WorkerRuntime(config, Engine(engine_config))
+        await runtime.start(port=1)
+        try:
+            async for _ in runtime.loop.generate(
+                "r1", PROMPT, SamplingParams(max_tokens=2, temperature=0.0)
+            ):
+                pass
+            hashes = runtime.block_hashes(PROMPT, None)
+            assert len(hashes) == 3
+
+            async def indexed() -> bool:
+                found = await locations(redis_server.url, runtime.model, hashes)
+                return len(found) == 3 and all(runtime.worker_id in f for f in found)
+
+            # Never published by a servicer: the blocks reach the index only by republishing.
+            redis_server.kill()
+            await asyncio.sleep(0.5)  # heartbeats fail meanwhile; nothing else does
+            assert runtime.metrics.registry.get_sample_value("pdserve:redis_up") == 0
+            redis_server.start()
+            await eventually(indexed)
+            assert runtime.metrics.registry.get_sample_value("pdserve:redis_up") == 1
+
+            client = redis_client.connect(redis_server.url)
+            try:
+                await client.flushall()  # a restart without the downtime
+                await eventually(indexed)
+                workers = await WorkerRegistry(client).list()
+                assert [w.worker_id for w in workers] == [runtime.worker_id]
+            finally:
+                await client.aclose()
+        finally:
+            await runtime.stop()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
+
+
+def test_a_silent_worker_leaves_the_registry_within_seconds(
+    tiny_dir: Path, redis_server: RedisServer
+) -> None:
+    engine_config = EngineConfig(
+        model=str(tiny_dir), num_kv_blocks=16, block_size=16, device="cpu", dtype="float32"
+    )
+    config = WorkerConfig(
+        role="prefill", engine=engine_config, redis_url=redis_server.url, heartbeat_s=0.2
+    )
+
+    async def body() -> None:
+        runtime = WorkerRuntime(config, Engine(engine_config))
+        await runtime.start(port=2)
+        client = redis_client.connect(redis_server.url)
+        try:
+            registry = WorkerRegistry(client)
+
+            async def listed() -> bool:
+                return [w.worker_id for w in await registry.list()] == [runtime.worker_id]
+
+            await eventually(listed)
+            heartbeat = runtime._tasks[0]
+            heartbeat.cancel()  # it hangs (SIGSTOP) or died without deregistering
+            silent_at = time.monotonic()
+
+            async def gone() -> bool:
+                return await registry.list() == []
+
+            await eventually(gone, timeout_s=10)
+            assert time.monotonic() - silent_at <= 4.0  # the entry's TTL: 3 s here
+        finally:
+            await client.aclose()
+            await runtime.stop()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
+
+
+def test_the_block_store_republishes_at_once_when_redis_returns_empty(
+    redis_server: RedisServer,
+) -> None:
+    layout = KvLayout(2, 2, 8, 16, torch.float32)
+    hashes = [11, 22, 33]
+
+    async def body() -> None:
+        store = await blockstore_server.start(
+            BlockStoreConfig(
+                capacity_bytes=16 << 20, port=0, redis_url=redis_server.url, heartbeat_s=0.1
+            )
+        )
+        client = BlockStoreClient(f"127.0.0.1:{store.port}", "m", layout)
+        try:
+            blocks = torch.randn(len(hashes), *layout.block_shape)
+            assert await client.put(hashes, blocks, timeout_s=10) == 3
+
+            async def indexed() -> bool:
+                found = await locations(redis_server.url, "m", hashes)
+                return len(found) == 3 and all(keys.STORE_LOCATION in f for f in found)
+
+            await eventually(indexed)
+            redis_server.kill()
+            await asyncio.sleep(0.5)
+            assert await client.contains(hashes, timeout_s=5) == 3  # the store serves on
+            redis_server.start()
+            await eventually(indexed, timeout_s=5)  # not the refresh every ttl / 2 (300 s)
+        finally:
+            await client.close()
+            await store.stop()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
