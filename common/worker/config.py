@@ -26,6 +26,13 @@ class WorkerConfig:
     drain_grace_s: float = 10.0
     index_ttl_s: int = 600
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
+    # MoE models: expert load read from the engine and published to Redis every interval,
+    # into windows of window_s (the last ``expert_load_windows`` kept); the Prometheus
+    # imbalance gauges cover the trailing window_s.
+    expert_load_interval_s: float = 5.0
+    expert_load_window_s: float = 60.0
+    expert_load_windows: int = 60
+    expert_metrics_per_expert: bool = False  # also a counter per (layer, expert, phase)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,6 +48,10 @@ class WorkerConfig:
             )
         if self.lease_ttl_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("lease_ttl_s and heartbeat_s must be positive")
+        if self.expert_load_interval_s <= 0 or self.expert_load_window_s <= 0:
+            raise ValueError("expert_load_interval_s and expert_load_window_s must be positive")
+        if self.expert_load_windows < 1:
+            raise ValueError(f"expert_load_windows must be >= 1, got {self.expert_load_windows}")
 
     @property
     def served_model_name(self) -> str:

@@ -34,6 +34,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--lease-ttl-s", type=float, default=30.0, help="KV lease lifetime")
         parser.add_argument("--drain-grace-s", type=float, default=10.0)
+        moe = parser.add_argument_group("expert load (MoE models)")
+        moe.add_argument(
+            "--expert-load-interval-s", type=float, default=5.0,
+            help="how often expert load is read from the engine and published to Redis",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-load-window-s", type=float, default=60.0,
+            help="length of one expert-load window in Redis (and of the gauges' window)",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-load-windows", type=int, default=60,
+            help="windows kept in Redis before they expire",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-metrics-per-expert", action="store_true",
+            help="also export a Prometheus counter per layer, expert and phase (many series)",
+        )  # fmt: skip
         add_metrics_port_arg(parser)
         add_engine_args(parser)
         parser.set_defaults(func=run, role=role)
@@ -55,6 +72,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         lease_ttl_s=args.lease_ttl_s,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
+        expert_load_interval_s=args.expert_load_interval_s,
+        expert_load_window_s=args.expert_load_window_s,
+        expert_load_windows=args.expert_load_windows,
+        expert_metrics_per_expert=args.expert_metrics_per_expert,
     )
 
 
