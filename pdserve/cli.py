@@ -12,6 +12,7 @@ from pdserve.commands import (
     blockstore,
     chat,
     convert,
+    experts,
     gateway,
     generate,
     status,
@@ -19,7 +20,7 @@ from pdserve.commands import (
     worker,
 )
 
-COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert, bench)
+COMMANDS = (up, generate, chat, status, experts, gateway, worker, blockstore, convert, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,36 @@ TINY_BASE: dict[str, Any] = dict(
 )
 
 
+# Tiny mixture-of-experts configs (hidden 64, 2 layers, 4-8 experts) per family.
+TINY_MOE: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=32,
+            norm_topk_prob=True,
+        ),
+    ),
+}
+
+
+def make_tiny_moe_checkpoint(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    model_type, base = TINY_MOE[family]
+    return make_tiny_checkpoint(path, model_type, seed=seed, **{**base, **overrides})
+
+
 def make_tiny_checkpoint(
     path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any
 ) -> Path:

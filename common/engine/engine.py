@@ -28,6 +28,7 @@ from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
+from common.experts.counts import ExpertCounts
 from common.kv.hashing import BlockHash, hash_prompt_blocks
 from common.models.spec import ModelSpec, load_spec
 
@@ -283,6 +284,12 @@ class Engine:
         )
         max_blocks = (len(token_ids) - 1) // self.block_size
         return len(self.kv.pool.longest_cached_prefix(hashes[:max_blocks])) * self.block_size
+
+    def expert_counts(self) -> ExpertCounts | None:
+        """Cumulative tokens routed per MoE layer, expert and phase (None for a dense
+        model); the one device-to-host read of the counters, for publishing."""
+        recorder = self.runner.model.expert_load
+        return recorder.snapshot() if recorder is not None else None
 
     def stats(self) -> EngineStats:
         return EngineStats(

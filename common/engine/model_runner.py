@@ -113,7 +113,14 @@ class ModelRunner:
                 self._import(item)
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        # Generated tokens first, then one-token prompt chunks (attention treats both as
+        # single-token queries): the expert-load recorder counts the first run as decode.
+        decodes.sort(key=_is_prompt_token)
         ordered = decodes + prefills
+        if self.model.expert_load is not None:
+            self.model.expert_load.num_decode_tokens = sum(
+                1 for s in decodes if not _is_prompt_token(s)
+            )
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -188,6 +195,11 @@ class ModelRunner:
         self.check_kv_transferable("export")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def _is_prompt_token(item: ScheduledRequest) -> bool:
+    """Whether a one-token step of this request computes a prompt token (prefill)."""
+    return item.request.num_computed_tokens < item.request.num_prompt_tokens
 
 
 def _to_device(batch: AttentionBatch, device: torch.device) -> AttentionBatch:

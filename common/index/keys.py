@@ -5,7 +5,15 @@
 | ``pdserve:v1:{model}:block:{hash}`` | hash | location (worker id or ``store``) -> tier | TTL, refreshed on store |
 | ``pdserve:v1:workers`` | set | worker ids ever registered (stale ones pruned on read) | permanent index |
 | ``pdserve:v1:worker:{id}`` | hash | role, address, model, load figures | TTL, refreshed by heartbeat |
-| ``pdserve:v1:{model}:expert_load:{layer}`` | hash | expert -> tokens routed | TTL, refreshed on write |
+| ``pdserve:v1:expert_models`` | sorted set | models with expert load -> last publish (unix ms) | TTL, refreshed on publish |
+| ``pdserve:v1:{model}:expert_load:workers`` | sorted set | worker id -> last publish (unix ms) | TTL, refreshed on publish; stale members pruned on read |
+| ``pdserve:v1:{model}:expert_load:{worker}:meta`` | hash | layers, num_experts, window_ms, windows, updated_ms | TTL, refreshed on publish |
+| ``pdserve:v1:{model}:expert_load:{worker}:{layer}:w:{bucket}`` | hash | ``p{e}`` / ``d{e}`` -> tokens routed to expert e in prefill / decode during window ``bucket`` (= unix ms // window_ms) | expires ``windows`` windows after its own ends |
+| ``pdserve:v1:{model}:expert_load:{worker}:{layer}:total`` | hash | the same fields since the worker started | TTL, refreshed on publish |
+
+Expert load is per model, worker and decoder layer; the reader (``pdserve experts``) adds
+workers up. Memory is bounded: per worker and MoE layer at most ``windows + 1`` live window
+hashes and one total, each at most 2 x experts fields.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ def _model(model: str) -> str:
     return model
 
 
+def _worker(worker_id: str) -> str:
+    if not worker_id or any(c in worker_id for c in " \n:{}"):
+        raise ValueError(f"worker id {worker_id!r} cannot be part of an expert-load key")
+    return worker_id
+
+
 def block(model: str, block_hash: int) -> str:
     return f"{PREFIX}{_model(model)}:block:{block_hash:016x}"
 
@@ -32,5 +46,33 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
 
-def expert_load(model: str, layer: int) -> str:
-    return f"{PREFIX}{_model(model)}:expert_load:{layer}"
+def expert_models() -> str:
+    return f"{PREFIX}expert_models"
+
+
+def expert_workers(model: str) -> str:
+    return f"{PREFIX}{_model(model)}:expert_load:workers"
+
+
+def expert_meta(model: str, worker_id: str) -> str:
+    return f"{PREFIX}{_model(model)}:expert_load:{_worker(worker_id)}:meta"
+
+
+def expert_window(model: str, worker_id: str, layer: int, bucket: int) -> str:
+    return f"{PREFIX}{_model(model)}:expert_load:{_worker(worker_id)}:{layer}:w:{bucket}"
+
+
+def expert_total(model: str, worker_id: str, layer: int) -> str:
+    return f"{PREFIX}{_model(model)}:expert_load:{_worker(worker_id)}:{layer}:total"
+
+
+def expert_field(phase: int, expert: int) -> str:
+    """A field of the window and total hashes: ``p{e}`` prefill, ``d{e}`` decode."""
+    return f"{'pd'[phase]}{expert}"
+
+
+def parse_expert_field(field: str) -> tuple[int, int] | None:
+    """(phase, expert) of a field ``expert_field`` built; None for anything else."""
+    if len(field) < 2 or field[0] not in "pd" or not field[1:].isdigit():
+        return None
+    return "pd".index(field[0]), int(field[1:])

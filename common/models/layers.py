@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -42,6 +42,21 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+@runtime_checkable
+class ShardedParams(Protocol):
+    """A module whose parameters are filled from several HF tensors, each a named shard."""
+
+    def load_shard(
+        self, shard: str, param_name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, str]]:
+        """Copies ``tensor`` in; returns the (parameter attribute, shard) pairs it filled."""
+        ...
+
+    def expected_shards(self, attr: str) -> list[str]:
+        """Every shard parameter ``attr`` needs before the model is complete."""
+        ...
+
+
 class ShardedLinear(nn.Linear):
     """A linear layer whose output rows are the concatenation of several HF weights.
 
@@ -62,7 +77,12 @@ class ShardedLinear(nn.Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
-    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+    def expected_shards(self, attr: str) -> list[str]:
+        return list(self.shard_offsets)
+
+    def load_shard(
+        self, shard: str, param_name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, str]]:
         start, size = self.shard_offsets[shard]
         target = self.weight if param_name == "weight" else self.bias
         if target is None:
@@ -74,3 +94,4 @@ class ShardedLinear(nn.Linear):
                 f"the config's {tuple(rows.shape)}"
             )
         rows.copy_(tensor)
+        return [(param_name, shard)]

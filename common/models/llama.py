@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention import AttentionBackend, LayerKV
-from common.models.layers import RMSNorm, ShardedLinear
+from common.models.layers import RMSNorm, ShardedLinear, ShardedParams
 from common.models.rope import cos_sin_table
 from common.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from common.models.moe import ExpertLoadRecorder
 
 
 class Attention(nn.Module):
@@ -60,9 +63,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        size = spec.intermediate_size
+        size = intermediate_size or spec.intermediate_size
         self.gate_up_proj = ShardedLinear(
             spec.hidden_size, {"gate": size, "up": size}, spec.mlp_bias, dtype
         )
@@ -76,12 +81,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, mlp: nn.Module | None = None) -> None:
+        """``mlp`` maps [T, H] -> [T, H]; default the dense MLP (MoE models pass theirs)."""
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = MLP(spec, dtype)
+        self.mlp = mlp if mlp is not None else MLP(spec, dtype)
 
     def forward(
         self,
@@ -112,13 +118,16 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 class LlamaForCausalLM(nn.Module):
+    # Tokens routed per expert, for MoE models (common/models/moe.py); None for dense ones.
+    expert_load: ExpertLoadRecorder | None = None
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
         self.backend = backend
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dtype) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
@@ -126,6 +135,14 @@ class LlamaForCausalLM(nn.Module):
         table = cos_sin_table(spec.rope, spec.head_dim, spec.max_position_embeddings)
         self.cos_sin: torch.Tensor
         self.register_buffer("cos_sin", table, persistent=False)  # [P, D] float32
+
+    def make_layer(self, index: int, dtype: torch.dtype) -> DecoderLayer:
+        return DecoderLayer(self.spec, dtype)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Rebuilds what is not a weight on the real device (after ``to_empty``)."""
+        table = cos_sin_table(self.spec.rope, self.spec.head_dim, self.spec.max_position_embeddings)
+        self.cos_sin.copy_(table)
 
     def tie_weights(self) -> None:
         """Shares the embedding with the output head; call again after moving devices."""
@@ -167,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
             module_path, shard, param_name = target
             if shard is not None:
                 module = self.get_submodule(module_path)
-                assert isinstance(module, ShardedLinear), module_path
-                module.load_shard(shard, param_name, tensor)
-                loaded.add(f"{module_path}.{param_name}#{shard}")
+                assert isinstance(module, ShardedParams), module_path
+                for attr, covered in module.load_shard(shard, param_name, tensor):
+                    loaded.add(f"{module_path}.{attr}#{covered}")
                 continue
             full = f"{module_path}.{param_name}"
             if full not in params:
@@ -185,10 +202,10 @@ class LlamaForCausalLM(nn.Module):
         for full in sorted(expected):
             module_path, _, param_name = full.rpartition(".")
             module = self.get_submodule(module_path)
-            if isinstance(module, ShardedLinear):
+            if isinstance(module, ShardedParams):
                 missing += [
                     f"{module_path}.{param_name}#{shard}"
-                    for shard in module.shard_offsets
+                    for shard in module.expected_shards(param_name)
                     if f"{module_path}.{param_name}#{shard}" not in loaded
                 ]
             elif full not in loaded and not (
@@ -198,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
-    @staticmethod
-    def _target(name: str) -> tuple[str, str | None, str] | None:
+    def _target(self, name: str) -> tuple[str, str | None, str] | None:
+        """HF name -> (our module path, shard or None, param name); None if unknown."""
         match = _LAYER_WEIGHT.fullmatch(name)
         if match:
             layer, block, proj, param = match.groups()

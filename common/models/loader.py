@@ -10,9 +10,15 @@ from safetensors import safe_open
 
 from common.engine.attention import AttentionBackend
 from common.models.llama import LlamaForCausalLM
-from common.models.rope import cos_sin_table
-from common.models.spec import LLAMA_FAMILY, ModelSpec, UnsupportedModelError
+from common.models.moe import MoeForCausalLM
+from common.models.spec import (
+    LLAMA_FAMILY,
+    MOE_FAMILY,
+    ModelSpec,
+    UnsupportedModelError,
+)
 
+# Every model class is a LlamaForCausalLM: the MoE ones replace the MLP of sparse layers.
 CausalLM = LlamaForCausalLM
 
 
@@ -26,6 +32,15 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_class_for(spec: ModelSpec) -> type[LlamaForCausalLM]:
+    """The class implementing a checkpoint's architecture (by its config's model_type)."""
+    if spec.model_type in MOE_FAMILY and spec.moe is not None:
+        return MoeForCausalLM
+    if spec.model_type in LLAMA_FAMILY:
+        return LlamaForCausalLM
+    raise UnsupportedModelError(f"unsupported architecture {spec.architecture!r}")
+
+
 def build_model(
     spec: ModelSpec,
     model_dir: str | Path,
@@ -33,13 +48,12 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> CausalLM:
-    if spec.model_type not in LLAMA_FAMILY:
-        raise UnsupportedModelError(f"unsupported architecture {spec.architecture!r}")
+    model_class = model_class_for(spec)
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, backend, dtype)
+        model = model_class(spec, backend, dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
-    # Buffers are not weights: rebuild the rope table on the real device.
-    model.cos_sin.copy_(cos_sin_table(spec.rope, spec.head_dim, spec.max_position_embeddings))
+    # Buffers are not weights: rebuild the rope table (and the expert counters) on the device.
+    model.init_buffers(device)
     model.load_weights(iter_safetensors(Path(model_dir)))
     return model.eval()

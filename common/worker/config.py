@@ -34,6 +34,13 @@ class WorkerConfig:
     kv_pull_timeout_s: float = 60.0  # most a pull from a producer may take before falling back
     # Most a block store read on a request's path may take (it is skipped when it fails).
     blockstore_timeout_s: float = 5.0
+    # MoE models: expert load read from the engine and published to Redis every interval,
+    # into windows of window_s (the last ``expert_load_windows`` kept); the Prometheus
+    # imbalance gauges cover the trailing window_s.
+    expert_load_interval_s: float = 5.0
+    expert_load_window_s: float = 60.0
+    expert_load_windows: int = 60
+    expert_metrics_per_expert: bool = False  # also a counter per (layer, expert, phase)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +63,10 @@ class WorkerConfig:
             )
         if self.kv_pull_timeout_s <= 0 or self.blockstore_timeout_s <= 0:
             raise ValueError("kv_pull_timeout_s and blockstore_timeout_s must be positive")
+        if self.expert_load_interval_s <= 0 or self.expert_load_window_s <= 0:
+            raise ValueError("expert_load_interval_s and expert_load_window_s must be positive")
+        if self.expert_load_windows < 1:
+            raise ValueError(f"expert_load_windows must be >= 1, got {self.expert_load_windows}")
 
     @property
     def served_model_name(self) -> str:

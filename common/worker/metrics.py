@@ -27,6 +27,7 @@ from common.telemetry.metrics import (
     RequestMetrics,
     metric_name,
 )
+from common.worker.expert_load import ExpertLoadCollector, ExpertLoadTracker
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ class WorkerMetrics:
 
     def watch_engine(self, loop: EngineLoop, leases: LeaseTable) -> None:
         self.registry.register(EngineCollector(self.model_name, engine_reader(loop), leases))
+
+    def watch_expert_load(self, tracker: ExpertLoadTracker, per_expert: bool = False) -> None:
+        """MoE models: imbalance per layer (and, opt-in, tokens per expert)."""
+        self.registry.register(ExpertLoadCollector(self.model_name, tracker, per_expert))
 
 
 def engine_reader(loop: EngineLoop) -> Callable[[], EngineSnapshot | None]:

@@ -24,7 +24,8 @@ from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
 from common.engine.request import KvImport
 from common.errors import PdserveError, UnavailableError
-from common.index import redis_client
+from common.index import keys, redis_client
+from common.index.expert_load import ExpertLoadStore
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.kv.block_store_client import BlockStoreClient
@@ -37,6 +38,7 @@ from common.rpc.channels import ChannelPool
 from common.rpc.tracing import record_error
 from common.telemetry.tracing import tracer
 from common.worker.config import WorkerConfig
+from common.worker.expert_load import ExpertLoadTracker
 from common.worker.metrics import BLOCK_STORE, RECEIVED, SENT, WorkerMetrics
 from pdserve.common.v1 import common_pb2
 
@@ -80,6 +82,12 @@ class WorkerRuntime:
         self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
         self.metrics = WorkerMetrics(metrics_registry or CollectorRegistry(), self.model)
         self.metrics.watch_engine(self.loop, self.leases)
+        # MoE models: expert load, read from the engine every interval (publish_expert_load).
+        self.expert_load: ExpertLoadTracker | None = None
+        self.expert_store: ExpertLoadStore | None = None
+        if spec.is_moe:
+            self.expert_load = ExpertLoadTracker(config.expert_load_window_s)
+            self.metrics.watch_expert_load(self.expert_load, config.expert_metrics_per_expert)
         self.channels = ChannelPool()
         # A block store that fails twice running is left alone for a few seconds: requests
         # then neither wait on it nor fail because of it (no reuse across workers meanwhile).
@@ -109,6 +117,19 @@ class WorkerRuntime:
             self.registry = WorkerRegistry(self.redis, ttl_s=max(3.0, 5 * self.config.heartbeat_s))
             await self.loop.call(lambda e: e.kv.pool.track_evictions())
             self._tasks.append(asyncio.create_task(self._heartbeat_forever()))
+            if self.expert_load is not None:
+                try:
+                    keys.expert_meta(self.model, self.worker_id)  # both usable in a key?
+                    self.expert_store = ExpertLoadStore(
+                        self.redis,
+                        self.model,
+                        self.config.expert_load_window_s,
+                        self.config.expert_load_windows,
+                    )
+                except ValueError as exc:
+                    log.warning("expert load is not published to Redis: %s", exc)
+        if self.expert_load is not None:
+            self._tasks.append(asyncio.create_task(self._expert_load_forever()))
         if self.config.blockstore:
             self.store = BlockStoreClient(self.config.blockstore, self.model, self.layout)
         self._tasks.append(asyncio.create_task(self.leases.run_expiry()))
@@ -130,6 +151,9 @@ class WorkerRuntime:
         if self.registry is not None:
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.worker_id)
+        if self.expert_store is not None:  # what was routed since the last interval
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.publish_expert_load(), timeout=2.0)
         if self.redis is not None:
             await self.redis.aclose()
         if self.store is not None:
@@ -225,6 +249,38 @@ class WorkerRuntime:
             raise
         self.metrics.index_republished(len(hashes))
         log.info("published the %d blocks held here to the prefix index", len(hashes))
+    # -- expert load (MoE) ----------------------------------------------------------------------
+
+    async def publish_expert_load(self) -> None:
+        """Reads the engine's expert counters (one device-to-host copy), updates the gauges'
+        window and, with Redis, publishes what was routed since the last publish."""
+        if self.expert_load is None:
+            return
+        counts = await self.loop.call(lambda e: e.expert_counts())
+        if counts is None:
+            return
+        self.expert_load.observe(counts, time.monotonic())
+        delta = self.expert_load.pending()
+        if self.expert_store is None or delta is None:
+            return
+        try:
+            await self.expert_store.publish(self.worker_id, delta)
+        except Exception as exc:
+            self.metrics.redis.failed("expert_load")
+            log.warning("publishing expert load to Redis failed (retried next time): %s", exc)
+            return
+        self.expert_load.mark_published(counts)
+        self.metrics.redis.ok()
+
+    async def _expert_load_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.expert_load_interval_s)
+            try:
+                await self.publish_expert_load()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reading expert load failed")
 
     # -- KV bookkeeping -------------------------------------------------------------------------
 

@@ -57,6 +57,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 help="most a KV pull from a prefill worker may take before the block store "
                 "and recompute take over",
             )
+        moe = parser.add_argument_group("expert load (MoE models)")
+        moe.add_argument(
+            "--expert-load-interval-s", type=float, default=5.0,
+            help="how often expert load is read from the engine and published to Redis",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-load-window-s", type=float, default=60.0,
+            help="length of one expert-load window in Redis (and of the gauges' window)",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-load-windows", type=int, default=60,
+            help="windows kept in Redis before they expire",
+        )  # fmt: skip
+        moe.add_argument(
+            "--expert-metrics-per-expert", action="store_true",
+            help="also export a Prometheus counter per layer, expert and phase (many series)",
+        )  # fmt: skip
         add_metrics_port_arg(parser)
         add_engine_args(parser)
         parser.set_defaults(func=run, role=role)
@@ -81,6 +98,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         blockstore_timeout_s=args.blockstore_timeout_s,
         kv_load_failure=getattr(args, "kv_load_failure", "recompute"),
         kv_pull_timeout_s=getattr(args, "kv_pull_timeout_s", 60.0),
+        expert_load_interval_s=args.expert_load_interval_s,
+        expert_load_window_s=args.expert_load_window_s,
+        expert_load_windows=args.expert_load_windows,
+        expert_metrics_per_expert=args.expert_metrics_per_expert,
     )
 
 

@@ -11,7 +11,13 @@ import torch
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from common.models.spec import UnsupportedModelError, load_spec
-from tests.factories import hf_greedy, make_tiny_checkpoint, random_prompts, tiny_engine
+from tests.factories import (
+    TINY_MOE,
+    hf_greedy,
+    make_tiny_checkpoint,
+    random_prompts,
+    tiny_engine,
+)
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa": ("llama", {}),
@@ -38,6 +44,36 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("mistral", dict(sliding_window=24, head_dim=16)),
     "qwen2-bias": ("qwen2", {}),
     "qwen3-qknorm": ("qwen3", dict(head_dim=32)),
+    # Mixture of experts (common/models/moe.py).
+    "mixtral-8e-top2": TINY_MOE["mixtral"],
+    # norm_topk_prob false (the Qwen2-MoE default) with the gated shared expert.
+    "qwen2-moe-shared": TINY_MOE["qwen2_moe"],
+    # Dense layers among sparse ones: mlp_only_layers and decoder_sparse_step; top-1.
+    "qwen2-moe-dense-layers": (
+        "qwen2_moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            decoder_sparse_step=1,
+        ),
+    ),
+    "qwen3-moe-norm-topk": TINY_MOE["qwen3_moe"],
+    "qwen3-moe-sparse-step": (
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            head_dim=32,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    ),
 }
 
 PROMPT_LENGTHS = [1, 7, 16, 33, 70]
