@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.engine.config import EngineConfig
+from common.rpc.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class WorkerConfig:
     drain_grace_s: float = 10.0
     index_ttl_s: int = 600
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
+    tls: TlsConfig | None = None  # mutual TLS on every gRPC hop, served and dialled
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -63,7 +63,7 @@ class WorkerRuntime:
         self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
         self.metrics = WorkerMetrics(metrics_registry or CollectorRegistry(), self.model)
         self.metrics.watch_engine(self.loop, self.leases)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(config.tls)
         self.redis: Any = None
         self.index: PrefixIndex | None = None
         self.registry: WorkerRegistry | None = None
@@ -86,7 +86,9 @@ class WorkerRuntime:
             await self.loop.call(lambda e: e.kv.pool.track_evictions())
             self._tasks.append(asyncio.create_task(self._heartbeat_forever()))
         if self.config.blockstore:
-            self.store = BlockStoreClient(self.config.blockstore, self.model, self.layout)
+            self.store = BlockStoreClient(
+                self.config.blockstore, self.model, self.layout, tls=self.config.tls
+            )
         self._tasks.append(asyncio.create_task(self.leases.run_expiry()))
         log.info("%s %s serving at %s", self.config.role, self.worker_id, self.address)
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from common.worker.config import WorkerConfig
+from pdserve.commands.security_args import add_tls_args, tls_from_args
 from pdserve.commands.telemetry_args import add_metrics_port_arg
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 
@@ -35,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--lease-ttl-s", type=float, default=30.0, help="KV lease lifetime")
         parser.add_argument("--drain-grace-s", type=float, default=10.0)
         add_metrics_port_arg(parser)
+        add_tls_args(parser)
         add_engine_args(parser)
         parser.set_defaults(func=run, role=role)
 
@@ -55,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         lease_ttl_s=args.lease_ttl_s,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
+        tls=tls_from_args(args),
     )
 
 
