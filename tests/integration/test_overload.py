@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 MAX_IN_FLIGHT = 8
 MAX_QUEUED_PROMPT_TOKENS = 512
-PER_TENANT = {"in_flight": 6, "queued_prompt_tokens": 384}
+PER_TENANT = {"in_flight": 4, "queued_prompt_tokens": 256}  # half each
 KEYS = {"flood": "flood-key", "calm": "calm-key"}
 MEASURE_S = 10.0
 OVERLOAD_S = 30.0
