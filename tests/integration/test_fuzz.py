@@ -106,7 +106,7 @@ class Tally:
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             self.refusals[f"{what}:{details.split(':', 1)[0][:40]}"] += 1
         if code in FORBIDDEN:
-            self.problems.append(f"{what} -> {code.name}: {request!r:.400}")
+            self.problems.append(f"{what} -> {code.name} ({details}): {request!r:.400}")
         if elapsed_s > CALL_TIMEOUT_S + SLACK_S:
             self.problems.append(f"{what} answered after {elapsed_s:.1f}s: {request!r:.400}")
 
@@ -119,6 +119,24 @@ async def unary(call: Callable[..., Any], request: Any) -> tuple[Outcome, Any]:
         return (grpc.StatusCode.OK, ""), await call(request, timeout=CALL_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         return (exc.code(), exc.details() or ""), None
+
+
+async def client_stream(method: Any, requests: list[Any]) -> Outcome:
+    """Writes the requests one by one and returns the server's status. (With an iterator,
+    grpcio reports a write that raced the server's early answer as its own INTERNAL
+    'Failed execute_batch', hiding the status the server sent.)"""
+    call = method(timeout=CALL_TIMEOUT_S)
+    try:
+        for request in requests:
+            await call.write(request)
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass  # the server answered before reading everything; its status follows
+    try:
+        await call
+        return grpc.StatusCode.OK, ""
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
 
 
 async def streamed(call: Any) -> Outcome:
@@ -308,7 +326,7 @@ def fuzz_block_store(store: str, overrides: dict[str, Any]) -> Tally:
         timed(tally, "GetBlocks", get, lambda: body(
             lambda stub: streamed(stub.GetBlocks(get, timeout=CALL_TIMEOUT_S))))  # fmt: skip
         timed(tally, "PutBlocks", puts, lambda: body(
-            lambda stub: _code(unary(stub.PutBlocks, iter(puts)))))  # fmt: skip
+            lambda stub: client_stream(stub.PutBlocks, puts)))  # fmt: skip
 
     fuzz()
     return tally
