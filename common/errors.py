@@ -21,9 +21,23 @@ class InvalidRequestError(PdserveError, ValueError):
 
 
 class QueueFullError(PdserveError):
-    """A bounded queue is full; retry later or elsewhere."""
+    """A bounded queue is full; retry later or elsewhere.
+
+    ``retry_after_ms``, when known, becomes a ``google.rpc.RetryInfo``; ``metadata`` goes
+    into the ``google.rpc.ErrorInfo`` (which bound was hit, for whom).
+    """
 
     reason = "QUEUE_FULL"
+
+    def __init__(
+        self,
+        message: str,
+        retry_after_ms: int | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        self.metadata = metadata or {}
 
 
 class CapacityError(PdserveError):
@@ -43,6 +57,12 @@ class UnavailableError(PdserveError):
     """No worker (of a role) can take the request now."""
 
     reason = "UNAVAILABLE"
+
+
+class UnauthenticatedError(PdserveError):
+    """The call carries no valid credentials."""
+
+    reason = "UNAUTHENTICATED"
 
 
 class AlreadyExistsError(PdserveError):

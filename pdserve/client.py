@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
 
 from common.engine.sampling_params import SamplingParams
 from common.rpc.channels import create_channel
@@ -31,9 +36,16 @@ class RemoteCompletion:
 
 
 class GatewayClient:
-    def __init__(self, target: str) -> None:
-        self.channel = create_channel(target)
+    """``api_key``: sent as ``authorization: Bearer KEY`` on every call; ``tls_ca``: a PEM
+    CA file, to reach a gateway whose public port serves TLS."""
+
+    def __init__(self, target: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
+        credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        self.channel = create_channel(target, credentials)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        )
 
     async def close(self) -> None:
         await self.channel.close()
@@ -60,7 +72,7 @@ class GatewayClient:
             request.token_ids.ids.extend(token_ids)
         if sampling is not None:
             sampling.to_pb(request.sampling)
-        return self.stub.Generate(request, timeout=timeout_s)
+        return self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
 
     async def complete(self, **kwargs: object) -> RemoteCompletion:
         result = RemoteCompletion()
@@ -70,7 +82,7 @@ class GatewayClient:
 
     async def cluster_status(self, timeout_s: float = 5.0) -> gateway_pb2.GetClusterStatusResponse:
         reply: gateway_pb2.GetClusterStatusResponse = await self.stub.GetClusterStatus(
-            gateway_pb2.GetClusterStatusRequest(), timeout=timeout_s
+            gateway_pb2.GetClusterStatusRequest(), timeout=timeout_s, metadata=self.metadata
         )
         return reply
 
@@ -85,3 +97,22 @@ def collect(result: RemoteCompletion, message: gateway_pb2.GenerateResponse) -> 
         result.cached_tokens = message.usage.cached_tokens
         result.ttft_ms = message.timings.ttft_ms
         result.total_ms = message.timings.total_ms
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> None:
+    """How a CLI command reaches the gateway: address, API key, TLS."""
+    parser.add_argument("--target", default="localhost:50051", help="gateway address")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="sent as 'authorization: Bearer KEY' (env PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PDSERVE_GATEWAY_CA"),
+        help="PEM CA of a gateway whose public port serves TLS (env PDSERVE_GATEWAY_CA)",
+    )
+
+
+def client_from_args(args: argparse.Namespace) -> GatewayClient:
+    return GatewayClient(args.target, args.api_key, args.tls_ca)

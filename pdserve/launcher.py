@@ -13,11 +13,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.models.default_model import cache_dir
+from common.rpc.tls import TlsConfig
 
 
 def run_dir() -> Path:
@@ -55,7 +57,10 @@ class StackState:
     started_unix_s: float = 0.0
 
     def save(self, path: Path) -> None:
+        """Written 0600: the Redis URL may carry a password."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600, exist_ok=True)
+        os.chmod(path, 0o600)
         path.write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
@@ -90,8 +95,15 @@ def pid_alive(pid: int) -> bool:
 
 
 def spawn(
-    name: str, role: str, argv: list[str], address: str, logs: Path, metrics_port: int = 0
+    name: str,
+    role: str,
+    argv: list[str],
+    address: str,
+    logs: Path,
+    metrics_port: int = 0,
+    env: dict[str, str] | None = None,
 ) -> tuple[Child, subprocess.Popen[bytes]]:
+    """``env``: added to this process's environment (secrets go there, not into argv)."""
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name}.log"
     with open(log_path, "ab") as log_file:
@@ -101,40 +113,113 @@ def spawn(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # survives the launcher with --detach; not hit by its ^C
+            env={**os.environ, **env} if env else None,
         )
     return Child(name, role, process.pid, address, str(log_path), metrics_port), process
 
 
-def start_redis(port: int, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:
+@dataclass(frozen=True)
+class RedisSecurity:
+    """How ``pdserve up`` locks its redis-server: a password, and with ``tls`` TLS only,
+    clients presenting a certificate from the stack's CA."""
+
+    password: str | None = None
+    tls: TlsConfig | None = None
+
+
+def start_redis(
+    port: int, logs: Path, security: RedisSecurity = RedisSecurity()
+) -> tuple[Child, subprocess.Popen[bytes]]:
+    """Configured by a 0600 file in the logs' folder, so no password shows in ``ps``."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError(
             "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
         )
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    return spawn("redis", "redis", argv, f"127.0.0.1:{port}", logs)
+    lines = ["bind 127.0.0.1", 'save ""', "appendonly no"]
+    if security.tls is None:
+        lines.append(f"port {port}")
+    else:
+        lines += [
+            "port 0",
+            f"tls-port {port}",
+            f"tls-cert-file {security.tls.cert}",
+            f"tls-key-file {security.tls.key}",
+            f"tls-ca-cert-file {security.tls.ca}",
+            "tls-auth-clients yes",
+        ]
+    if security.password:
+        lines.append(f"requirepass {security.password}")
+    config = logs / "redis.conf"
+    logs.mkdir(parents=True, exist_ok=True)
+    config.touch(mode=0o600, exist_ok=True)
+    os.chmod(config, 0o600)
+    config.write_text("\n".join(lines) + "\n")
+    return spawn("redis", "redis", [binary, str(config)], f"127.0.0.1:{port}", logs)
 
 
-def wait_redis(port: int, timeout_s: float) -> None:
+def redis_url(port: int, security: RedisSecurity, client_tls: TlsConfig | None = None) -> str:
+    """The URL a process of the stack connects with: ``rediss://`` and its own certificate
+    (``client_tls``) under TLS, the password in the user-info part."""
+    auth = f":{quote(security.password, safe='')}@" if security.password else ""
+    if security.tls is None:
+        return f"redis://{auth}127.0.0.1:{port}/0"
+    tls = client_tls or security.tls
+    query = urlencode(
+        {
+            "ssl_ca_certs": str(tls.ca),
+            "ssl_certfile": str(tls.cert),
+            "ssl_keyfile": str(tls.key),
+            "ssl_cert_reqs": "required",
+        }
+    )
+    return f"rediss://{auth}127.0.0.1:{port}/0?{query}"
+
+
+def redact(url: str) -> str:
+    """A Redis URL fit to print: no password, no query."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"***@{host}" if parts.password else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def wait_redis(url: str, timeout_s: float) -> None:
+    import redis
+
     deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+            with redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1) as client:
+                if client.ping():
                     return
-        except OSError:
-            pass
+        except redis.AuthenticationError:
+            raise
+        except (redis.RedisError, OSError) as exc:
+            last = exc
         time.sleep(0.05)
-    raise TimeoutError(f"redis-server on port {port} did not answer PING in {timeout_s:.0f}s")
+    raise TimeoutError(f"Redis at {redact(url)} did not answer PING in {timeout_s:.0f}s: {last}")
 
 
 def wait_serving(
-    address: str, process: subprocess.Popen[bytes] | None, child: Child, timeout_s: float
+    address: str,
+    process: subprocess.Popen[bytes] | None,
+    child: Child,
+    timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
-    """Polls grpc.health.v1 until SERVING; fails fast if the process exits."""
+    """Polls grpc.health.v1 until SERVING; fails fast if the process exits. With
+    ``credentials`` over TLS (a ``--mtls`` stack's workers)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:

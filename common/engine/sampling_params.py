@@ -8,6 +8,10 @@ from typing import Any
 from common.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# Bounds that keep one request's per-token stop checks cheap.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,27 @@ class SamplingParams:
                 "sampling.top_logprobs",
                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
             )
+        check_stop_sizes(len(self.stop), max(map(len, self.stop), default=0))
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                "sampling.stop_token_ids",
+                f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}",
+            )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequestError("sampling.seed", "must fit in an unsigned 64-bit integer")
+
+    @classmethod
+    def check_pb_sizes(cls, pb: Any) -> None:
+        """The size bounds alone, on a ``pdserve.common.v1.SamplingParams``: cheap, for
+        refusing before any other work."""
+        check_stop_sizes(len(pb.stop), max(map(len, pb.stop), default=0))
+        if len(pb.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                "sampling.stop_token_ids",
+                f"{len(pb.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}",
+            )
 
     @classmethod
     def from_pb(cls, pb: Any, default_max_tokens: int) -> SamplingParams:
@@ -117,3 +138,15 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "sampling.stop_token_ids", f"token id {token_id} is outside [0, {vocab_size})"
                 )
+
+
+def check_stop_sizes(num_stop: int, longest: int) -> None:
+    if num_stop > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            "sampling.stop", f"{num_stop} stop strings; at most {MAX_STOP_STRINGS}"
+        )
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidRequestError(
+            "sampling.stop",
+            f"a stop string of {longest} characters; at most {MAX_STOP_STRING_CHARS}",
+        )

@@ -26,6 +26,7 @@ from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import BlockAssembler, KvLayout, block_chunks
 from common.rpc.channels import create_channel
 from common.rpc.errors import from_rpc_error
+from common.rpc.tls import TlsConfig
 from common.rpc.tracing import outgoing_metadata, record_error
 from common.telemetry.tracing import tracer
 from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
@@ -43,12 +44,13 @@ class BlockStoreClient:
         model: str,
         layout: KvLayout,
         hash_scheme_version: int = HASH_SCHEME_VERSION,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.target = target
         self.model = model
         self.layout = layout
         self.hash_scheme_version = hash_scheme_version
-        self._channel = create_channel(target)
+        self._channel = create_channel(target, tls.channel_credentials() if tls else None)
         self._stub = block_store_pb2_grpc.BlockStoreServiceStub(self._channel)
 
     async def put(

@@ -5,10 +5,16 @@ from __future__ import annotations
 import grpc
 
 from common.rpc.options import CHANNEL_OPTIONS
+from common.rpc.tls import TlsConfig
 
 
-def create_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+def create_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.aio.Channel:
+    """A channel with pdserve's options; TLS with ``credentials`` (common/rpc/tls.py)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
 def remaining_timeout(
@@ -22,15 +28,17 @@ def remaining_timeout(
 
 
 class ChannelPool:
-    """One channel per target, created on first use and closed together."""
+    """One channel per target, created on first use and closed together; every one over
+    mutual TLS when ``tls`` is set (the internal hops of a ``--mtls`` stack)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = tls.channel_credentials() if tls is not None else None
 
     def get(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = create_channel(target)
+            channel = self._channels[target] = create_channel(target, self._credentials)
         return channel
 
     async def close(self) -> None:

@@ -1,7 +1,8 @@
 """The one place where errors become gRPC statuses (and statuses become errors again).
 
 Every status carries a ``google.rpc.ErrorInfo`` with a stable ``reason`` (domain
-``pdserve``), and INVALID_ARGUMENT also a ``google.rpc.BadRequest`` naming the field.
+``pdserve``), INVALID_ARGUMENT also a ``google.rpc.BadRequest`` naming the field, and a
+RESOURCE_EXHAUSTED from admission a ``google.rpc.RetryInfo`` (when to try again).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -34,6 +36,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.DataLossError, grpc.StatusCode.DATA_LOSS),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
@@ -49,8 +52,15 @@ def to_status(exc: BaseException) -> status_pb2.Status:
     code = status_code_for(exc)
     reason = getattr(exc, "reason", None) or code.name
     message = str(exc) if code is not grpc.StatusCode.INTERNAL else f"internal error: {exc}"
-    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)
-    details = [info]
+    info = error_details_pb2.ErrorInfo(
+        reason=reason, domain=DOMAIN, metadata=getattr(exc, "metadata", None) or {}
+    )
+    details: list[Message] = [info]
+    retry_after_ms = getattr(exc, "retry_after_ms", None)
+    if retry_after_ms is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(int(retry_after_ms))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
     if isinstance(exc, errors.InvalidRequestError):
         details.append(
             error_details_pb2.BadRequest(
@@ -72,6 +82,17 @@ def to_status(exc: BaseException) -> status_pb2.Status:
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Ends the call with the status for ``exc`` (raises grpc's AbortError)."""
     await context.abort_with_status(rpc_status.to_status(to_status(exc)))
+
+
+def retry_delay_ms(error: grpc.RpcError) -> int | None:
+    """The google.rpc.RetryInfo delay a pdserve server attached, in milliseconds, if any."""
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else []:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return int(info.retry_delay.ToMilliseconds())
+    return None
 
 
 def reason_of(error: grpc.RpcError) -> str | None:

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.rpc.malformed import MalformedRequestInterceptor
 from common.rpc.options import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,24 @@ async def create_server(
     service_names: Iterable[str],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     serving: bool = True,
+    credentials: grpc.ServerCredentials | None = None,
+    options: Iterable[tuple[str, int]] = (),
+    maximum_concurrent_rpcs: int | None = None,
 ) -> Server:
     """Builds, binds and starts a server; ``address`` may use port 0 (see ``Server.port``).
 
     Raises OSError when the address cannot be bound (instead of grpc's silent port 0).
     With ``serving=False`` health reports NOT_SERVING until ``set_serving(True)``.
+    With ``credentials`` the port serves TLS only (common/rpc/tls.py); ``options`` override
+    SERVER_OPTIONS by name. Requests that do not parse answer INVALID_ARGUMENT.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    overrides = dict(options)
+    merged = [(k, v) for k, v in SERVER_OPTIONS if k not in overrides] + list(overrides.items())
+    server = grpc.aio.server(
+        options=merged,
+        interceptors=[*interceptors, MalformedRequestInterceptor()],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -74,7 +86,10 @@ async def create_server(
         server,
     )
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise OSError(f"cannot bind {address}: {exc}") from exc
     if port == 0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.engine.config import EngineConfig
+from common.rpc.tls import TlsConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -41,6 +42,7 @@ class WorkerConfig:
     expert_load_window_s: float = 60.0
     expert_load_windows: int = 60
     expert_metrics_per_expert: bool = False  # also a counter per (layer, expert, phase)
+    tls: TlsConfig | None = None  # mutual TLS on every gRPC hop, served and dialled
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

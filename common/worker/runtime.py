@@ -88,7 +88,7 @@ class WorkerRuntime:
         if spec.is_moe:
             self.expert_load = ExpertLoadTracker(config.expert_load_window_s)
             self.metrics.watch_expert_load(self.expert_load, config.expert_metrics_per_expert)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(config.tls)
         # A block store that fails twice running is left alone for a few seconds: requests
         # then neither wait on it nor fail because of it (no reuse across workers meanwhile).
         self.store_breaker = CircuitBreaker(
@@ -131,7 +131,9 @@ class WorkerRuntime:
         if self.expert_load is not None:
             self._tasks.append(asyncio.create_task(self._expert_load_forever()))
         if self.config.blockstore:
-            self.store = BlockStoreClient(self.config.blockstore, self.model, self.layout)
+            self.store = BlockStoreClient(
+                self.config.blockstore, self.model, self.layout, tls=self.config.tls
+            )
         self._tasks.append(asyncio.create_task(self.leases.run_expiry()))
         log.info("%s %s serving at %s", self.config.role, self.worker_id, self.address)
 

@@ -48,6 +48,7 @@ async def start_worker(
         names,
         interceptors=[TelemetryInterceptor(RpcMetrics(metrics_registry))],
         serving=False,
+        credentials=config.tls.server_credentials() if config.tls else None,
     )
     await runtime.start(server.port)
     await server.set_serving(True)

@@ -107,8 +107,8 @@ class Cluster:
             child, process = start_redis(redis_port, self.logs)
             self.children.append(child)
             self._processes[child.name] = process
-            wait_redis(redis_port, 30)
             self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            wait_redis(self.redis_url, 30)
             common = ["--redis-url", self.redis_url]
             workers: list[Child] = []
             if self.spec.blockstore:

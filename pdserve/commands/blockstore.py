@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from pdserve.commands.security_args import add_tls_args, tls_from_args
 from pdserve.commands.telemetry_args import add_metrics_port_arg
 from services.blockstore.config import DEFAULT_PORT, BlockStoreConfig
 
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--put-expiry-s", type=float, default=None, help="abort puts left open this long (30)"
     )
     add_metrics_port_arg(parser)
+    add_tls_args(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BlockStoreConfig:
@@ -51,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> BlockStoreConfig:
         advertise=args.advertise,
         put_expiry_s=args.put_expiry_s,
         metrics_port=args.metrics_port,
+        tls=tls_from_args(args),
     )
 
 

@@ -9,12 +9,12 @@ import sys
 import grpc
 
 from common.engine.sampling_params import SamplingParams
-from pdserve.client import GatewayClient
+from pdserve.client import add_client_args, client_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("chat", help="chat with the served model (Ctrl-D ends)")
-    parser.add_argument("--target", default="localhost:50051", help="gateway address")
+    add_client_args(parser)
     parser.add_argument("--system", default=None, help="system message")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    client = GatewayClient(args.target)
+    client = client_from_args(args)
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -10,7 +10,7 @@ import sys
 import grpc
 
 from common.engine.sampling_params import SamplingParams
-from pdserve.client import GatewayClient, RemoteCompletion, collect
+from pdserve.client import RemoteCompletion, client_from_args, collect
 
 
 def generate_remote(args: argparse.Namespace, sampling: SamplingParams) -> int:
@@ -18,7 +18,7 @@ def generate_remote(args: argparse.Namespace, sampling: SamplingParams) -> int:
 
 
 async def _generate(args: argparse.Namespace, sampling: SamplingParams) -> int:
-    client = GatewayClient(args.target)
+    client = client_from_args(args)
     stream_text = not args.json and len(args.prompts) == 1
 
     async def one(prompt: str) -> RemoteCompletion:

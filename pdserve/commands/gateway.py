@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import os
 
+from common.rpc.tls import PublicTls
+from pdserve.commands.security_args import add_tls_args, tls_from_args
 from pdserve.commands.telemetry_args import add_metrics_port_arg
+from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 
 
@@ -41,7 +44,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="prefix-aware",
         help="prefix-aware (default); load and round-robin ignore the prefix index (baselines)",
     )
-    parser.add_argument("--max-in-flight", type=int, default=1024)
     parser.add_argument(
         "--prefill-timeout-s",
         type=float,
@@ -64,8 +66,67 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
+    add_admission_args(parser)
+    add_auth_args(parser)
     add_metrics_port_arg(parser)
+    add_tls_args(parser)
     parser.set_defaults(func=run)
+
+
+def add_admission_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "admission", "beyond a bound, RESOURCE_EXHAUSTED at once with a retry delay"
+    )
+    group.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight")
+    group.add_argument(
+        "--max-in-flight-per-tenant", type=int, default=0, help="per tenant; 0 = the global one"
+    )
+    group.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=262_144,
+        help="prompt tokens admitted and not yet prefilled",
+    )
+    group.add_argument(
+        "--max-queued-prompt-tokens-per-tenant",
+        type=int,
+        default=0,
+        help="per tenant; 0 = the global one",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request message read (larger: RESOURCE_EXHAUSTED unparsed)",
+    )
+
+
+def add_auth_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "authentication",
+        "clients send 'authorization: Bearer KEY'; without keys, authentication is off",
+    )
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="an accepted API key, its own tenant (repeatable; env PDSERVE_API_KEYS, "
+        "comma-separated)",
+    )
+    group.add_argument(
+        "--api-keys-file",
+        default=os.environ.get("PDSERVE_API_KEYS_FILE"),
+        help="lines of 'KEY TENANT' (# comments); a tenant's requests share a cache salt",
+    )
+    group.add_argument(
+        "--public-tls-cert", default=None, help="PEM certificate: TLS on the public port"
+    )
+    group.add_argument("--public-tls-key", default=None, help="PEM key of --public-tls-cert")
+
+
+def api_keys_from_args(args: argparse.Namespace) -> ApiKeys | None:
+    from_env = [k for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
+    return ApiKeys.load([*args.api_key, *from_env], args.api_keys_file)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -86,6 +147,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         prefill_timeout_s=args.prefill_timeout_s,
         breaker_failure_threshold=args.breaker_failures,
         breaker_cooldown_s=args.breaker_cooldown_s,
+        max_in_flight_per_tenant=args.max_in_flight_per_tenant,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_queued_prompt_tokens_per_tenant=args.max_queued_prompt_tokens_per_tenant,
+        max_request_bytes=args.max_request_bytes,
+        api_keys=api_keys_from_args(args),
+        tls=tls_from_args(args),
+        public_tls=PublicTls.from_flags(args.public_tls_cert, args.public_tls_key),
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from common.engine.sampling_params import SamplingParams
+from pdserve.client import add_client_args
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -13,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="complete one or more prompts")
     parser.add_argument("prompts", nargs="+", metavar="PROMPT")
     parser.add_argument("--local", action="store_true", help="run the engine in this process")
-    parser.add_argument("--target", default="localhost:50051", help="gateway address")
+    add_client_args(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -11,7 +11,7 @@ import time
 import grpc
 
 from common.telemetry.metrics import Samples, scrape
-from pdserve.client import GatewayClient
+from pdserve.client import GatewayClient, add_client_args
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
 from pdserve.launcher import StackState, run_dir
@@ -31,7 +31,7 @@ ROLE_NAMES = {
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="list the cluster's workers and their load")
-    parser.add_argument("--target", default="localhost:50051", help="gateway address")
+    add_client_args(parser)
     parser.add_argument("--json", action="store_true", help="a JSON list, one object per worker")
     parser.set_defaults(func=run)
 
@@ -74,8 +74,10 @@ async def _metrics_of(url: str | None) -> dict[str, float] | None:
         return None
 
 
-async def fetch(target: str) -> list[dict[str, object]]:
-    client = GatewayClient(target)
+async def fetch(
+    target: str, api_key: str | None = None, tls_ca: str | None = None
+) -> list[dict[str, object]]:
+    client = GatewayClient(target, api_key, tls_ca)
     try:
         reply = await client.cluster_status()
     finally:
@@ -117,7 +119,7 @@ async def fetch(target: str) -> list[dict[str, object]]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        workers = asyncio.run(fetch(args.target))
+        workers = asyncio.run(fetch(args.target, args.api_key, args.tls_ca))
     except grpc.aio.AioRpcError as exc:
         print(f"pdserve status: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

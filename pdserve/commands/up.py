@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -10,10 +12,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+
+from common.rpc.tls import TlsConfig
 from pdserve.launcher import (
     Child,
+    RedisSecurity,
     StackState,
     free_port,
+    redact,
+    redis_url,
     run_dir,
     spawn,
     start_redis,
@@ -22,10 +30,38 @@ from pdserve.launcher import (
     wait_serving,
 )
 
+Env = dict[str, str] | None
+
+
+class Pki:
+    """The stack's private CA (made on first use) and one certificate per process."""
+
+    def __init__(self, directory: Path) -> None:
+        from common.rpc.pki import make_ca
+
+        self.directory = directory
+        self.ca = make_ca(directory)
+        self._launcher: TlsConfig | None = None
+
+    def issue(self, name: str) -> TlsConfig:
+        return self.ca.issue(name, self.directory)
+
+    def client_credentials(self) -> grpc.ChannelCredentials:
+        """This launcher's own identity, for its health checks of the workers."""
+        if self._launcher is None:
+            self._launcher = self.issue("launcher")
+        return self._launcher.channel_credentials()
+
+
 # Engine flags forwarded to every worker as given.
 _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size",
+)  # fmt: skip
+# Gateway flags forwarded as given.
+_GATEWAY_FLAGS = (
+    "local_prefill_tokens", "block_size", "max_in_flight", "max_in_flight_per_tenant",
+    "max_queued_prompt_tokens", "max_queued_prompt_tokens_per_tenant", "api_keys_file",
 )  # fmt: skip
 
 
@@ -34,7 +70,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, default=50051, help="gateway port")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    up.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis instead of a private one (redis://:PASSWORD@host:port/db; "
+        "rediss:// for TLS)",
+    )
+    up.add_argument(
+        "--redis-password",
+        default=os.environ.get("PDSERVE_REDIS_PASSWORD"),
+        help="start the private redis-server with this requirepass (env "
+        "PDSERVE_REDIS_PASSWORD); with --mtls a random one by default",
+    )
+    up.add_argument(
+        "--mtls",
+        action="store_true",
+        help="mutual TLS on every internal hop: a private CA and a certificate per process in "
+        "the run directory's tls/; workers and the block store refuse peers without one; "
+        "the private Redis serves TLS only, with a password",
+    )
+    up.add_argument(
+        "--public-tls",
+        action="store_true",
+        help="TLS on the gateway's public port too, with a certificate from the stack's CA "
+        "(clients pass --tls-ca RUN_DIR/tls/ca.pem)",
+    )
+    up.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="the gateway accepts this API key (repeatable; each its own tenant)",
+    )
+    up.add_argument("--api-keys-file", default=None, help="the gateway's 'KEY TENANT' lines")
+    up.add_argument("--max-in-flight", type=int, default=None, help="gateway admission bound")
+    up.add_argument("--max-in-flight-per-tenant", type=int, default=None)
+    up.add_argument("--max-queued-prompt-tokens", type=int, default=None)
+    up.add_argument("--max-queued-prompt-tokens-per-tenant", type=int, default=None)
     up.add_argument("--no-blockstore", action="store_true", help="run without the block store")
     up.add_argument("--model", default=None)
     up.add_argument("--detach", action="store_true", help="return once SERVING; stop with down")
@@ -72,16 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down.set_defaults(func=run_down)
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags: list[str] = []
-    for name in _ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    return flags
-
-
-def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLAGS) -> list[str]:
     flags: list[str] = []
     for name in names:
         value = getattr(args, name)
@@ -90,7 +152,8 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return flags
 
 
-_GATEWAY_FLAGS = ("prefill_timeout_s", "breaker_failures", "breaker_cooldown_s")
+# Failure handling: gateway, every worker, decode workers.
+_FAILOVER_FLAGS = ("prefill_timeout_s", "breaker_failures", "breaker_cooldown_s")
 _WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s")
 _DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
 
@@ -125,11 +188,30 @@ def run_up(args: argparse.Namespace) -> int:
     processes: dict[str, subprocess.Popen[bytes] | None] = {}
 
     metrics_ports = _metrics_ports(args)
+    pki = Pki(run_dir() / "tls") if args.mtls else None
+    redis_security = RedisSecurity()
+    redis_port = 0
 
-    def launch(name: str, role: str, argv: list[str], address: str) -> Child:
+    def launch(name: str, role: str, argv: list[str], address: str, env: Env = None) -> Child:
+        """Under --mtls each process gets its own certificate, for gRPC and Redis alike;
+        the Redis URL travels in the environment, so its password stays out of ps."""
         metrics_port = next(metrics_ports)
         argv = [*argv, "--metrics-port", str(metrics_port)]
-        child, process = spawn(name, role, argv, address, logs, metrics_port)
+        env = dict(env or {})
+        tls = pki.issue(name) if args.mtls and pki is not None else None
+        if tls is not None:
+            argv += [
+                "--tls-cert",
+                str(tls.cert),
+                "--tls-key",
+                str(tls.key),
+                "--tls-ca",
+                str(tls.ca),
+            ]
+        env["PDSERVE_REDIS_URL"] = (
+            redis_url(redis_port, redis_security, tls) if redis_port else state.redis_url
+        )
+        child, process = spawn(name, role, argv, address, logs, metrics_port, env)
         state.children.append(child)
         processes[name] = process
         state.save(state_path)
@@ -139,42 +221,53 @@ def run_up(args: argparse.Namespace) -> int:
         if args.redis_url:
             state.redis_url = args.redis_url
         else:
+            password = args.redis_password or (secrets.token_urlsafe(24) if args.mtls else None)
+            redis_tls = pki.issue("redis") if pki is not None else None
+            redis_security = RedisSecurity(password, redis_tls)
             redis_port = free_port()
-            child, process = start_redis(redis_port, logs)
+            child, process = start_redis(redis_port, logs, redis_security)
             state.children.append(child)
             processes[child.name] = process
-            wait_redis(redis_port, 30)
-            state.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        common = ["--redis-url", state.redis_url]
+            state.redis_url = redis_url(redis_port, redis_security)
+            wait_redis(state.redis_url, 30)
         workers: list[Child] = []
         store_flags: list[str] = []
         if not args.no_blockstore:
             port = free_port()
             workers.append(launch("blockstore", "blockstore",
-                                  [*python, "blockstore", "--port", str(port), "--worker-id", "blockstore-0", *common],
+                                  [*python, "blockstore", "--port", str(port), "--worker-id", "blockstore-0"],
                                   f"127.0.0.1:{port}"))  # fmt: skip
             store_flags = ["--blockstore", f"127.0.0.1:{port}"]
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port = free_port()
                 argv = [*python, role, "--port", str(port), "--model", model,
-                        "--worker-id", f"{role}-{i}", *common, *store_flags, *_engine_flags(args),
-                        *_flags(args, _WORKER_FLAGS)]  # fmt: skip
+                        "--worker-id", f"{role}-{i}", *store_flags, *_engine_flags(args),
+                        *_engine_flags(args, _WORKER_FLAGS)]  # fmt: skip
                 if role == "decode":
-                    argv += _flags(args, _DECODE_FLAGS)
+                    argv += _engine_flags(args, _DECODE_FLAGS)
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))
         gateway_argv = [*python, "gateway", "--port", str(args.port), "--model", model,
-                        "--worker-id", "gateway-0", *common]  # fmt: skip
-        if args.local_prefill_tokens is not None:
-            gateway_argv += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
-        if args.block_size is not None:
-            gateway_argv += ["--block-size", str(args.block_size)]
-        gateway_argv += _flags(args, _GATEWAY_FLAGS)
-        gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}")
+                        "--worker-id", "gateway-0", *_engine_flags(args, _GATEWAY_FLAGS),
+                        *_engine_flags(args, _FAILOVER_FLAGS)]  # fmt: skip
+        public_ca: grpc.ChannelCredentials | None = None
+        if args.public_tls:
+            if pki is None:
+                pki = Pki(run_dir() / "tls")
+            public = pki.issue("gateway-public")
+            gateway_argv += ["--public-tls-cert", str(public.cert),
+                             "--public-tls-key", str(public.key)]  # fmt: skip
+            public_ca = grpc.ssl_channel_credentials(public.ca.read_bytes())
+        keys = {"PDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}
+        gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}", keys)
         state.gateway = gateway.address
         state.save(state_path)
+        internal = pki.client_credentials() if args.mtls and pki is not None else None
         for child in [*workers, gateway]:
-            wait_serving(child.address, processes.get(child.name), child, args.timeout_s)
+            credentials = public_ca if child is gateway else internal
+            wait_serving(
+                child.address, processes.get(child.name), child, args.timeout_s, credentials
+            )
             metrics = f", metrics {child.metrics_url}" if child.metrics_url else ""
             print(f"  {child.name:<12} {child.address:<22} SERVING (pid {child.pid}{metrics})",
                   flush=True)  # fmt: skip
@@ -184,8 +277,10 @@ def run_up(args: argparse.Namespace) -> int:
         state_path.unlink(missing_ok=True)
         return 1
 
+    security = ", mutual TLS inside" if args.mtls else ""
     print(
-        f"pdserve stack up: gateway {state.gateway}, redis {state.redis_url}, logs {logs}",
+        f"pdserve stack up: gateway {state.gateway}, redis {redact(state.redis_url)}, "
+        f"logs {logs}{security}",
         flush=True,
     )
     if args.detach:

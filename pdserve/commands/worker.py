@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from common.worker.config import KV_LOAD_FAILURE_POLICIES, WorkerConfig
+from pdserve.commands.security_args import add_tls_args, tls_from_args
 from pdserve.commands.telemetry_args import add_metrics_port_arg
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 
@@ -75,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help="also export a Prometheus counter per layer, expert and phase (many series)",
         )  # fmt: skip
         add_metrics_port_arg(parser)
+        add_tls_args(parser)
         add_engine_args(parser)
         parser.set_defaults(func=run, role=role)
 
@@ -102,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         expert_load_window_s=args.expert_load_window_s,
         expert_load_windows=args.expert_load_windows,
         expert_metrics_per_expert=args.expert_metrics_per_expert,
+        tls=tls_from_args(args),
     )
 
 

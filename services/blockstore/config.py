@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import psutil
 
 from common.engine.config import parse_memory_budget
+from common.rpc.tls import TlsConfig
 
 DEFAULT_PORT = 50060
 
@@ -26,6 +27,7 @@ class BlockStoreConfig:
     index_ttl_s: int = 600  # TTL of the store's prefix-index entries; refreshed every ttl / 2
     drain_grace_s: float = 10.0
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
+    tls: TlsConfig | None = None  # mutual TLS: only peers with a certificate from tls.ca
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:

@@ -164,6 +164,7 @@ async def start(
         register,
         [SERVICE_NAME],
         interceptors=[TelemetryInterceptor(RpcMetrics(metrics.registry))],
+        credentials=config.tls.server_credentials() if config.tls else None,
     )
     servicer.worker_id = config.resolved_worker_id(server.port)
     servicer.address = config.advertised_address(server.port)

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.rpc.tls import PublicTls, TlsConfig
+from services.gateway.admission import AdmissionLimits
+from services.gateway.auth import ApiKeys
+
+MiB = 1024 * 1024
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -21,7 +27,18 @@ class GatewayConfig:
     # One block of prefix overlap is worth this much queued load when picking a prefill worker.
     overlap_weight: float = 1.0
     routing_policy: str = "prefix-aware"  # or "load", "round-robin" (baselines)
-    max_in_flight: int = 1024  # admission bound: beyond it, RESOURCE_EXHAUSTED at once
+    # Admission (services/gateway/admission.py): beyond a bound, RESOURCE_EXHAUSTED at once.
+    # A per-tenant bound of 0 is the global one.
+    max_in_flight: int = 1024
+    max_in_flight_per_tenant: int = 0
+    max_queued_prompt_tokens: int = 262_144
+    max_queued_prompt_tokens_per_tenant: int = 0
+    # Largest request message the public port reads; larger ones get grpc's
+    # RESOURCE_EXHAUSTED before any parsing.
+    max_request_bytes: int = 4 * MiB
+    api_keys: ApiKeys | None = None  # None: authentication off, no tenants
+    tls: TlsConfig | None = None  # mutual TLS towards workers (internal hops)
+    public_tls: PublicTls | None = None  # TLS on the public port
     registry_refresh_s: float = 0.25
     # Per-hop limit of a prefill call (0 = only the client's deadline): past it the prompt
     # moves to another prefill worker, or to the decode worker when none is left.
@@ -41,8 +58,15 @@ class GatewayConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in (
+            "max_in_flight_per_tenant",
+            "max_queued_prompt_tokens_per_tenant",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = the global bound)")
+        _ = self.admission_limits  # validates the bounds
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
         if self.prefill_timeout_s < 0:
@@ -51,6 +75,17 @@ class GatewayConfig:
             raise ValueError("breaker_failure_threshold must be >= 1")
         if self.breaker_cooldown_s <= 0:
             raise ValueError("breaker_cooldown_s must be positive")
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            max_in_flight=self.max_in_flight,
+            max_queued_prompt_tokens=self.max_queued_prompt_tokens,
+            max_in_flight_per_tenant=self.max_in_flight_per_tenant or self.max_in_flight,
+            max_queued_prompt_tokens_per_tenant=(
+                self.max_queued_prompt_tokens_per_tenant or self.max_queued_prompt_tokens
+            ),
+        )
 
     @property
     def served_model_name(self) -> str:

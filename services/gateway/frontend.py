@@ -4,8 +4,54 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.engine.sampling_params import SamplingParams
 from common.errors import InvalidRequestError
 from common.text.tokenizer import Tokenizer
+
+# No tokenizer we serve averages more characters per token over a whole text than this
+# (English BPE: about 4; runs of whitespace in code reach 10-20), so a text longer than
+# context x this cannot fit and is refused without tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_sizes(request: Any, limit: int) -> None:
+    """Refuses a GenerateRequest (or TokenizeRequest) that cannot fit a context of ``limit`` tokens, from field
+    sizes alone: cheap, before admission and tokenization. The exact checks follow once
+    the prompt is tokenized."""
+    field = request.WhichOneof("input")
+    max_chars = limit * MAX_CHARS_PER_TOKEN
+    if field == "token_ids" and len(request.token_ids.ids) >= limit:
+        raise InvalidRequestError(
+            field,
+            f"the prompt has {len(request.token_ids.ids)} tokens; the model's context holds "
+            f"{limit}",
+        )
+    if field == "messages":
+        messages = request.messages.messages
+        if len(messages) >= limit:
+            raise InvalidRequestError(
+                field, f"{len(messages)} messages cannot fit a context of {limit} tokens"
+            )
+        num_chars = sum(len(m.content) + len(m.role) for m in messages)
+    elif field in ("prompt", "raw_prompt"):
+        num_chars = len(getattr(request, field))
+    else:
+        num_chars = 0
+    if num_chars > max_chars:
+        raise InvalidRequestError(
+            field,
+            f"{num_chars} characters cannot fit a context of {limit} tokens (at most "
+            f"{max_chars} characters are tokenized)",
+        )
+    if "sampling" not in request.DESCRIPTOR.fields_by_name:
+        return
+    if request.sampling.max_tokens >= limit:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"max_tokens ({request.sampling.max_tokens}) leaves no room for a prompt in the "
+            f"context of {limit} tokens",
+        )
+    SamplingParams.check_pb_sizes(request.sampling)
 
 
 def messages_from_pb(pb: Any) -> list[dict[str, str]]:

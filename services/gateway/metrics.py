@@ -67,6 +67,31 @@ class GatewayMetrics:
         )  # fmt: skip
         for to in ("prefill", "decode"):
             self.prefill_failovers.labels(to)
+        self._admission_rejections = Counter(
+            metric_name("admission_rejections"),
+            "Requests refused RESOURCE_EXHAUSTED by admission control, by the bound that was "
+            "full (in_flight_requests, queued_prompt_tokens) and its scope (global, tenant).",
+            ["bound", "scope"], registry=registry,
+        )  # fmt: skip
+        for bound in ("in_flight_requests", "queued_prompt_tokens"):
+            for scope in ("global", "tenant"):
+                self._admission_rejections.labels(bound, scope)
+        self.queued_prompt_tokens = Gauge(
+            metric_name("admission_queued_prompt_tokens"),
+            "Prompt tokens admitted and not yet prefilled (estimates until tokenized).",
+            registry=registry,
+        )
+        self._auth_rejections = Counter(
+            metric_name("auth_rejections"),
+            "Calls refused UNAUTHENTICATED (no API key, or an unknown one).",
+            registry=registry,
+        )
+
+    def admission_rejected(self, bound: str, scope: str) -> None:
+        self._admission_rejections.labels(bound, scope).inc()
+
+    def auth_rejected(self) -> None:
+        self._auth_rejections.inc()
 
     def routed(self, reason: str) -> None:
         self._routing.labels(reason).inc()

@@ -22,6 +22,7 @@ from common.telemetry.metrics import process_registry, start_metrics_server
 from common.telemetry.tracing import setup_tracing
 from common.text.tokenizer import Tokenizer
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.auth import AuthInterceptor
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import IndexHealth
@@ -39,7 +40,7 @@ async def start_gateway(
     ``servicer.metrics.registry``)."""
     tokenizer = await asyncio.to_thread(Tokenizer, config.model)
     spec = await asyncio.to_thread(load_spec, config.model)
-    client = redis_client.connect(config.redis_url)
+    client = redis_client.connect(config.redis_url)  # a password or rediss:// in the URL
     registry = WorkerRegistry(client)
     metrics_registry = metrics_registry or CollectorRegistry()
     metrics = GatewayMetrics(metrics_registry, config.served_model_name)
@@ -53,12 +54,22 @@ async def start_gateway(
         holder.append(servicer)
 
     names = [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        TelemetryInterceptor(RpcMetrics(metrics_registry))
+    ]
+    if config.api_keys is not None:
+        interceptors.append(AuthInterceptor(config.api_keys, metrics.auth_rejected))
     server = await create_server(
         f"{config.host}:{config.port}",
         register,
         names,
-        interceptors=[TelemetryInterceptor(RpcMetrics(metrics_registry))],
+        interceptors=interceptors,
         serving=False,
+        credentials=config.public_tls.server_credentials() if config.public_tls else None,
+        options=[("grpc.max_receive_message_length", config.max_request_bytes)],
+        # A backstop behind admission (which answers with RetryInfo): grpc itself refuses
+        # calls past this many, before they take any memory of ours.
+        maximum_concurrent_rpcs=2 * config.max_in_flight + 64,
     )
     servicer = holder[0]
     servicer.address = f"{config.host}:{server.port}"

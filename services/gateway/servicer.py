@@ -9,6 +9,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -21,7 +22,6 @@ from common.errors import (
     KvLoadError,
     NotFoundError,
     PdserveError,
-    QueueFullError,
     UnavailableError,
 )
 from common.index.prefix_index import PrefixIndex, prefix_overlap
@@ -41,9 +41,11 @@ from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from services.gateway.admission import Admission, Ticket, estimate_prompt_tokens
+from services.gateway.auth import tenant_cache_salt
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
-from services.gateway.frontend import prompt_token_ids
+from services.gateway.frontend import check_sizes, prompt_token_ids
 from services.gateway.health import IndexHealth, WorkerBreakers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import Relay
@@ -107,10 +109,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             config.overlap_weight,
             config.routing_policy,
         )
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(config.tls)
         self.gateway_id = gateway_id
         self.address = address
         self.metrics = metrics
+        self.admission = Admission(config.admission_limits, metrics.admission_rejected)
+        metrics.queued_prompt_tokens.set_function(lambda: self.admission.total.queued_tokens)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.num_in_flight = 0
         metrics.num_requests_running.set_function(lambda: self.num_in_flight)
         self._request_ids: set[str] = set()  # of the requests in flight
@@ -139,19 +144,65 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- Generate ---------------------------------------------------------------------------
 
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant (None with authentication off); the interceptor has already
+        refused calls without a valid key."""
+        keys = self.config.api_keys
+        return None if keys is None else keys.tenant_of(context.invocation_metadata())
+
+    async def _tokenize(
+        self, request: Any, add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """Off the event loop (a long prompt takes a while), one at a time: the tokenizer
+        is not safe to share between threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread,
+            prompt_token_ids,
+            request,
+            self.tokenizer,
+            self.spec.vocab_size,
+            add_generation_prompt,
+        )
+
     @rpc_method
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        span = trace.get_current_span()  # the server span of this call: the request's span
+        """Cheap checks and admission first, before any tokenization; the request then holds
+        its admission ticket until it ends."""
         bind_request_id(request.request_id)
         self._check_model(request.model)
+        tenant = self._tenant(context)
+        limit = await self._context_limit()
+        check_sizes(request, limit)
+        ticket = self.admission.admit(tenant or "", estimate_prompt_tokens(request))
+        try:
+            async with contextlib.aclosing(
+                self._generate(request, context, ticket, tenant, limit)
+            ) as messages:
+                async for message in messages:
+                    if message.token_ids:
+                        ticket.prefilled()
+                    yield message
+        finally:
+            ticket.release()
+
+    async def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        ticket: Ticket,
+        tenant: str | None,
+        limit: int,
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        span = trace.get_current_span()  # the server span of this call: the request's span
         with tracer().start_as_current_span("tokenize") as tokenize:
-            field, prompt = prompt_token_ids(request, self.tokenizer, self.spec.vocab_size)
+            field, prompt = await self._tokenize(request)
             tokenize.set_attributes(
                 {"pdserve.input_field": field, "pdserve.num_tokens": len(prompt)}
             )
-        limit = await self._context_limit()
+        ticket.account(len(prompt))
         if len(prompt) >= limit:
             raise InvalidRequestError(
                 field, f"the prompt has {len(prompt)} tokens; the model's context holds {limit}"
@@ -166,14 +217,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling.check_vocab(self.spec.vocab_size)
         if request.request_id in self._request_ids:
             raise AlreadyExistsError(f"a request with id {request.request_id!r} is in flight")
-        if self.num_in_flight >= self.config.max_in_flight:
-            raise QueueFullError(
-                f"the gateway has {self.num_in_flight} requests in flight; retry later"
-            )
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         bind_request_id(request_id)
         describe_request(span, self.model, field, request_id, sampling, len(prompt))
-        salt = request.cache_salt or None
+        salt = tenant_cache_salt(tenant, request.cache_salt)
         relay = Relay(
             request_id,
             prompt,
@@ -503,9 +550,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TokenizeResponse:
         self._check_model(request.model)
-        _, ids = prompt_token_ids(
-            request, self.tokenizer, self.spec.vocab_size, request.add_generation_prompt
-        )
+        check_sizes(request, await self._context_limit())
+        ticket = self.admission.admit(self._tenant(context) or "", estimate_prompt_tokens(request))
+        try:
+            _, ids = await self._tokenize(request, request.add_generation_prompt)
+        finally:
+            ticket.release()
         return gateway_pb2.TokenizeResponse(
             token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids)
         )
@@ -546,6 +596,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for task in list(self._background):
             await asyncio.wait([task], timeout=2.0)
         await self.channels.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
 
 def _downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:

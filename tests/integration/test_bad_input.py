@@ -27,7 +27,7 @@ from grpc_status import rpc_status
 from common.engine.sampling_params import SamplingParams
 from common.errors import InvalidRequestError
 from common.index.registry import WorkerInfo, WorkerRegistry
-from common.rpc.errors import reason_of
+from common.rpc.errors import reason_of, retry_delay_ms
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -151,6 +151,24 @@ CASES = [
     ),
 ]
 
+# Absurd sizes: each refused from field sizes alone, before admission and tokenization.
+ABSURD = [
+    _invalid("a_billion_max_tokens", "sampling.max_tokens", lambda i: hello(max_tokens=10**9)),
+    _invalid("100k_stop_strings", "sampling.stop", lambda i: hello(stop=["a"] * 100_000)),
+    _invalid("a_5000_character_stop_string", "sampling.stop", lambda i: hello(stop=["a" * 5000])),
+    _invalid(
+        "5000_stop_token_ids", "sampling.stop_token_ids", lambda i: hello(stop_token_ids=[1] * 5000)
+    ),
+    _invalid(
+        "a_conversation_of_20k_turns",
+        "messages",
+        lambda i: generate(messages={"messages": [{"role": "user", "content": "Hi"}] * 20_000}),
+    ),
+    _invalid("a_prompt_of_2m_characters", "prompt", lambda i: generate(prompt="word " * 400_000)),
+    _invalid("100k_token_ids", "token_ids", lambda i: generate(token_ids={"ids": [1] * 100_000})),
+]
+CASES += ABSURD
+
 
 def field_violations(error: grpc.aio.AioRpcError) -> list[str]:
     status = rpc_status.from_call(error)
@@ -180,10 +198,12 @@ def problems(case: BadInput, error: grpc.aio.AioRpcError | None) -> list[str]:
 
 
 async def rejection(
-    stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_pb2.GenerateRequest
+    stub: gateway_pb2_grpc.GatewayServiceStub | grpc.aio.UnaryStreamMultiCallable,
+    request: gateway_pb2.GenerateRequest,
 ) -> grpc.aio.AioRpcError | None:
     """The error a Generate call ends with (None if it was accepted: it is cancelled then)."""
-    call = stub.Generate(request, timeout=30)
+    generate = stub if callable(stub) else stub.Generate
+    call = generate(request, timeout=30)
     try:
         async for _ in call:
             call.cancel()
@@ -298,6 +318,51 @@ def test_bad_input_gets_its_status_naming_the_field(
     assert problems(case, asyncio.run(run())) == []
 
 
+def test_absurd_fields_are_refused_cheaply(stack: Stack, info: ModelInfo) -> None:
+    """Tokenizing the 2M-character prompt alone takes seconds here; refusing it does not."""
+
+    async def run() -> list[float]:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            elapsed = []
+            for case in ABSURD:
+                request = case.build(info)
+                start = time.monotonic()
+                await rejection(stub, request)
+                elapsed.append(time.monotonic() - start)
+            return elapsed
+
+    elapsed = asyncio.run(run())
+    slow = {c.name: round(s, 2) for c, s in zip(ABSURD, elapsed, strict=True) if s > 0.5}
+    assert not slow, slow
+
+
+def test_oversized_and_unparseable_messages(stack: Stack) -> None:
+    """A request over the gateway's 4 MiB receive limit is refused by gRPC itself,
+    RESOURCE_EXHAUSTED before anything parses it; bytes that do not parse (a truncated field,
+    groups nested past protobuf's limit) are INVALID_ARGUMENT, not grpc's UNKNOWN."""
+
+    async def run() -> list[grpc.aio.AioRpcError | None]:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            raw = channel.unary_stream(
+                "/pdserve.gateway.v1.GatewayService/Generate",
+                request_serializer=bytes,
+                response_deserializer=gateway_pb2.GenerateResponse.FromString,
+            )
+            oversized = generate(raw_prompt="x" * (5 * 1024 * 1024)).SerializeToString()
+            errors = []
+            for payload in (oversized, b"\x0a\x05ab", b"\x4b" * 200 + b"\x4c" * 200):
+                errors.append(await rejection(raw, payload))  # type: ignore[arg-type]
+            return errors
+
+    oversized, truncated, nested = asyncio.run(run())
+    assert oversized is not None and oversized.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (oversized.details() or ""), oversized
+    for error in (truncated, nested):
+        assert error is not None and error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "GenerateRequest" in (error.details() or "")
+
+
 def test_model_info_states_the_context_the_workers_serve(stack: Stack, info: ModelInfo) -> None:
     # The workers' KV pools (256 MiB each) hold fewer tokens than SmolLM2's 8192 positions.
     workers = [w for w in stack.workers() if w["role"] in ("prefill", "decode")]
@@ -374,6 +439,8 @@ def test_full_admission_is_resource_exhausted_at_once(stack: Stack) -> None:
     error, elapsed, later = asyncio.run(run())
     assert error is not None and error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, error
     assert reason_of(error) == "QUEUE_FULL"
+    delay = retry_delay_ms(error)  # google.rpc.RetryInfo, in milliseconds
+    assert delay is not None and 10 <= delay <= 30_000, delay
     assert elapsed < 1.0, f"answered after {elapsed:.2f}s"
     assert later is None, later  # the holder left: admission is open again
 

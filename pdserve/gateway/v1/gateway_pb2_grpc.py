@@ -100,8 +100,15 @@ class GatewayServiceServicer:
         ALREADY_EXISTS: a request with this request_id is in flight.
         FAILED_PRECONDITION: prompt or messages given for a model that has no
         chat template.
+        INVALID_ARGUMENT also: sizes that cannot fit (max_tokens beyond the
+        context, too many or too long stop strings, more turns or text than
+        the context holds), refused before tokenization; bytes that do not
+        parse as a GenerateRequest.
         RESOURCE_EXHAUSTED: admission or worker queues are full; answered at
-        once. Retry with backoff.
+        once, before tokenization, with a google.rpc.RetryInfo (when to
+        retry) and an ErrorInfo (reason QUEUE_FULL; metadata bound, scope,
+        limit). Retry with backoff. Also (from gRPC itself, without details)
+        for a request message over the gateway's size limit (4 MiB default).
         UNAVAILABLE: no live worker of a role the request needs; retry with
         backoff.
         DEADLINE_EXCEEDED: the deadline passed; tokens already sent stand.
