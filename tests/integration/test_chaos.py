@@ -89,7 +89,7 @@ class ChaosStack(Stack):
         state = self.state()
         port = int(state.redis_url.rsplit(":", 1)[1].split("/")[0])
         new, _ = start_redis(port, self.run_dir / "logs")
-        wait_redis(port, 30)
+        wait_redis(state.redis_url, 30)
         state.children = [new if c.name == "redis" else c for c in state.children]
         state.save(self.run_dir / "stack.json")
 
