@@ -45,6 +45,13 @@ class UnavailableError(PdserveError):
     reason = "UNAVAILABLE"
 
 
+class DrainingError(UnavailableError):
+    """This process is draining (SIGTERM): it takes no new work, and ends what is left when
+    its grace period is over; resume or retry elsewhere."""
+
+    reason = "DRAINING"
+
+
 class AlreadyExistsError(PdserveError):
     reason = "ALREADY_EXISTS"
 

@@ -14,12 +14,13 @@ from pdserve.commands import (
     convert,
     gateway,
     generate,
+    restart,
     status,
     up,
     worker,
 )
 
-COMMANDS = (up, generate, chat, status, gateway, worker, blockstore, convert, bench)
+COMMANDS = (up, restart, generate, chat, status, gateway, worker, blockstore, convert, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,7 @@ class Child:
     address: str
     log: str
     metrics_port: int = 0  # its Prometheus endpoint on the address's host; 0 = none
+    argv: list[str] = field(default_factory=list)  # its command line, to restart it
 
     @property
     def metrics_url(self) -> str | None:
@@ -102,7 +103,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # survives the launcher with --detach; not hit by its ^C
         )
-    return Child(name, role, process.pid, address, str(log_path), metrics_port), process
+    return Child(name, role, process.pid, address, str(log_path), metrics_port, argv), process
 
 
 def start_redis(port: int, logs: Path) -> tuple[Child, subprocess.Popen[bytes]]:
@@ -183,3 +184,33 @@ def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
+
+
+def restart_child(
+    state_path: Path, name: str, timeout_s: float = 600.0, stop_timeout_s: float = 60.0
+) -> Child:
+    """Restarts one process of the stack recorded at ``state_path``: SIGTERM (a worker drains:
+    its requests finish, or move on when its grace period ends), then the same command line
+    again, on the same address and log; returns once it serves again."""
+    state = StackState.load(state_path)
+    if state is None:
+        raise FileNotFoundError("no stack is running (nothing recorded by pdserve up)")
+    index = next((i for i, c in enumerate(state.children) if c.name == name), None)
+    if index is None:
+        names = ", ".join(c.name for c in state.children)
+        raise ValueError(f"no process named {name!r} in the stack (it has {names})")
+    child = state.children[index]
+    if not child.argv:
+        raise ValueError(f"{name} was started without a recorded command line; cannot restart")
+    stop_children([child], stop_timeout_s)
+    restarted, process = spawn(
+        child.name, child.role, child.argv, child.address, Path(child.log).parent,
+        child.metrics_port,
+    )  # fmt: skip
+    state.children[index] = restarted
+    state.save(state_path)
+    if child.role == "redis":
+        wait_redis(int(child.address.rsplit(":", 1)[1]), timeout_s)
+    else:
+        wait_serving(restarted.address, process, restarted, timeout_s)
+    return restarted

@@ -31,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--overlap-weight", type=float, default=1.0)
     parser.add_argument("--max-in-flight", type=int, default=1024)
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times a request whose decode stream breaks continues on another decode worker",
+    )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
     add_metrics_port_arg(parser)
@@ -51,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         local_prefill_tokens=args.local_prefill_tokens,
         overlap_weight=args.overlap_weight,
         max_in_flight=args.max_in_flight,
+        max_migrations=args.max_migrations,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,

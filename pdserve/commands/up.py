@@ -40,6 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--detach", action="store_true", help="return once SERVING; stop with down")
     up.add_argument("--timeout-s", type=float, default=600.0, help="start-up limit per process")
     up.add_argument("--local-prefill-tokens", type=int, default=None)
+    up.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long workers and the gateway let requests finish",
+    )
     up.add_argument("--dtype", default=None)
     up.add_argument("--device", default=None)
     up.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
@@ -122,6 +128,7 @@ def run_up(args: argparse.Namespace) -> int:
             wait_redis(redis_port, 30)
             state.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         common = ["--redis-url", state.redis_url]
+        grace = [] if args.drain_grace_s is None else ["--drain-grace-s", str(args.drain_grace_s)]
         workers: list[Child] = []
         store_flags: list[str] = []
         if not args.no_blockstore:
@@ -134,10 +141,11 @@ def run_up(args: argparse.Namespace) -> int:
             for i in range(count):
                 port = free_port()
                 argv = [*python, role, "--port", str(port), "--model", model,
-                        "--worker-id", f"{role}-{i}", *common, *store_flags, *_engine_flags(args)]  # fmt: skip
+                        "--worker-id", f"{role}-{i}", *common, *store_flags, *grace,
+                        *_engine_flags(args)]  # fmt: skip
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))
         gateway_argv = [*python, "gateway", "--port", str(args.port), "--model", model,
-                        "--worker-id", "gateway-0", *common]  # fmt: skip
+                        "--worker-id", "gateway-0", *common, *grace]  # fmt: skip
         if args.local_prefill_tokens is not None:
             gateway_argv += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
         if args.block_size is not None:

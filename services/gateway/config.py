@@ -21,6 +21,8 @@ class GatewayConfig:
     # One block of prefix overlap is worth this much queued load when picking a prefill worker.
     overlap_weight: float = 1.0
     max_in_flight: int = 1024  # admission bound: beyond it, RESOURCE_EXHAUSTED at once
+    # A request whose decode stream breaks continues on another decode worker this many times.
+    max_migrations: int = 3
     registry_refresh_s: float = 0.25
     drain_grace_s: float = 10.0
     worker_id: str | None = None
@@ -37,6 +39,8 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
 
     @property
     def served_model_name(self) -> str:

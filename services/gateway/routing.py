@@ -56,11 +56,10 @@ class Router:
             raise UnavailableError("no decode worker is alive; retry later")
 
         def tiebreak(w: WorkerInfo) -> int:
-            # Stable per request, different across requests: spreads ties evenly.
-            return zlib.crc32(f"{request_id}/{w.worker_id}".encode())
+            return _tiebreak(request_id, w)
 
         def decode_key(w: WorkerInfo) -> tuple[float, ...]:
-            return (w.num_running + self.in_flight[w.worker_id], -w.num_kv_blocks_free, tiebreak(w))
+            return self._decode_key(request_id, w)
 
         best_cached = max(decodes, key=lambda w: (overlap.get(w.worker_id, 0), -decode_key(w)[0]))
         cached_tokens = overlap.get(best_cached.worker_id, 0) * self.block_size
@@ -80,3 +79,22 @@ class Router:
         overlap_blocks = overlap.get(prefill.worker_id, 0)
         reason = PREFIX_OVERLAP if overlap_blocks else LOAD
         return Route(min(decodes, key=decode_key), prefill, overlap_blocks, reason)
+
+    def choose_decode(self, request_id: str, decodes: list[WorkerInfo]) -> WorkerInfo:
+        """The decode worker that continues a request elsewhere (migration): the least
+        loaded, as for a new request."""
+        if not decodes:
+            raise UnavailableError("no decode worker is alive; retry later")
+        return min(decodes, key=lambda w: self._decode_key(request_id, w))
+
+    def _decode_key(self, request_id: str, w: WorkerInfo) -> tuple[float, ...]:
+        return (
+            w.num_running + self.in_flight[w.worker_id],
+            -w.num_kv_blocks_free,
+            _tiebreak(request_id, w),
+        )
+
+
+def _tiebreak(request_id: str, w: WorkerInfo) -> int:
+    # Stable per request, different across requests: spreads ties evenly.
+    return zlib.crc32(f"{request_id}/{w.worker_id}".encode())
