@@ -65,6 +65,13 @@ class UnauthenticatedError(PdserveError):
     reason = "UNAUTHENTICATED"
 
 
+class DrainingError(UnavailableError):
+    """This process is draining (SIGTERM): it takes no new work, and ends what is left when
+    its grace period is over; resume or retry elsewhere."""
+
+    reason = "DRAINING"
+
+
 class AlreadyExistsError(PdserveError):
     reason = "ALREADY_EXISTS"
 

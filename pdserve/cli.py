@@ -15,12 +15,25 @@ from pdserve.commands import (
     experts,
     gateway,
     generate,
+    restart,
     status,
     up,
     worker,
 )
 
-COMMANDS = (up, generate, chat, status, experts, gateway, worker, blockstore, convert, bench)
+COMMANDS = (
+    up,
+    restart,
+    generate,
+    chat,
+    status,
+    experts,
+    gateway,
+    worker,
+    blockstore,
+    convert,
+    bench,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,8 +60,9 @@ class GatewayClient:
         sampling: SamplingParams | None = None,
         timeout_s: float | None = None,
         cache_salt: str = "",
+        request_id: str = "",
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        request = gateway_pb2.GenerateRequest(cache_salt=cache_salt)
+        request = gateway_pb2.GenerateRequest(cache_salt=cache_salt, request_id=request_id)
         if prompt is not None:
             request.prompt = prompt
         elif messages is not None:

@@ -40,6 +40,10 @@ class Child:
     address: str
     log: str
     metrics_port: int = 0  # its Prometheus endpoint on the address's host; 0 = none
+    argv: list[str] = field(default_factory=list)  # its command line, to restart it
+    # What spawn added to its environment (the Redis URL, key lists): the state file that
+    # records it is 0600.
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def metrics_url(self) -> str | None:
@@ -115,7 +119,10 @@ def spawn(
             start_new_session=True,  # survives the launcher with --detach; not hit by its ^C
             env={**os.environ, **env} if env else None,
         )
-    return Child(name, role, process.pid, address, str(log_path), metrics_port), process
+    child = Child(
+        name, role, process.pid, address, str(log_path), metrics_port, argv, dict(env or {})
+    )
+    return child, process
 
 
 @dataclass(frozen=True)
@@ -268,3 +275,33 @@ def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
+
+
+def restart_child(
+    state_path: Path, name: str, timeout_s: float = 600.0, stop_timeout_s: float = 60.0
+) -> Child:
+    """Restarts one process of the stack recorded at ``state_path``: SIGTERM (a worker drains:
+    its requests finish, or move on when its grace period ends), then the same command line
+    again, on the same address and log; returns once it serves again."""
+    state = StackState.load(state_path)
+    if state is None:
+        raise FileNotFoundError("no stack is running (nothing recorded by pdserve up)")
+    index = next((i for i, c in enumerate(state.children) if c.name == name), None)
+    if index is None:
+        names = ", ".join(c.name for c in state.children)
+        raise ValueError(f"no process named {name!r} in the stack (it has {names})")
+    child = state.children[index]
+    if not child.argv:
+        raise ValueError(f"{name} was started without a recorded command line; cannot restart")
+    stop_children([child], stop_timeout_s)
+    restarted, process = spawn(
+        child.name, child.role, child.argv, child.address, Path(child.log).parent,
+        child.metrics_port, child.env,
+    )  # fmt: skip
+    state.children[index] = restarted
+    state.save(state_path)
+    if child.role == "redis":
+        wait_redis(state.redis_url, timeout_s)
+    else:
+        wait_serving(restarted.address, process, restarted, timeout_s)
+    return restarted

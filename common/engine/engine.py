@@ -10,6 +10,12 @@ The prefill/decode split:
   ``release`` drops them.
 - ``add_request(..., output_token_ids=[first], kv_import=KvImport(...))`` admits a request
   whose prompt KV came from elsewhere; it continues exactly as if prefilled here.
+- Resuming a request elsewhere (migration) is the same call with every token generated so
+  far as ``output_token_ids`` and whatever full blocks of them were found as ``kv_import``:
+  max_tokens, penalties and the seeded sampler's positions count those tokens as output.
+- ``add_request(..., write_behind=True)``: each output also carries copies of the full
+  blocks this engine computed for the request since the previous output
+  (``RequestOutput.full_blocks``), for the caller to write to a shared store.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.kv_manager import KVCacheManager
 from common.engine.model_runner import ModelRunner
-from common.engine.request import FinishReason, KvImport, Request, RequestStatus, TokenLogprob
+from common.engine.request import (
+    FinishReason,
+    FullBlocks,
+    KvImport,
+    Request,
+    RequestStatus,
+    TokenLogprob,
+)
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -44,6 +57,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() of the first step it ran in
+    # write_behind requests: copies of full blocks computed since the previous output.
+    full_blocks: FullBlocks | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,6 +130,7 @@ class Engine:
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
         kv_import: KvImport | None = None,
+        write_behind: bool = False,
     ) -> Request:
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
@@ -131,6 +147,7 @@ class Engine:
             output_token_ids=output_token_ids,
             kv_import=kv_import,
             hash_seed=self.config.hash_seed,
+            write_behind=write_behind and not prefill_only,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -205,11 +222,16 @@ class Engine:
         for item in plan.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
+                # Imported blocks and prefix-cache hits are not written behind.
+                num_known = item.request.num_computed_tokens // self.block_size
+                item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
         logits, sampling = self.runner.execute(plan.scheduled, block_tables)
         for item in plan.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.publish_full_blocks(item.request)
+            if item.request.write_behind:
+                self._copy_full_blocks(item.request)
         if not sampling:
             return outputs
         requests = [s.request for s in sampling]
@@ -223,7 +245,9 @@ class Engine:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 first_scheduled_time=req.first_scheduled_time,
+                full_blocks=FullBlocks.join(req.pending_writes),
             )
+            req.pending_writes = []
             if finished:
                 out.finish_reason = self._finish(req).finish_reason
             elif req.prefill_only:
@@ -231,6 +255,18 @@ class Engine:
                 out.finish_reason = FinishReason.PREFILLED
             outputs.append(out)
         return outputs
+
+    def _copy_full_blocks(self, req: Request) -> None:
+        """Copies the request's newly full, computed blocks for write-behind (the blocks
+        themselves stay in the pool; the copy outlives preemption and finish)."""
+        req.update_block_hashes(self.block_size)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        if num_full <= req.num_written_blocks:
+            return
+        block_ids = self.kv.block_ids(req)[req.num_written_blocks : num_full]
+        hashes = req.block_hashes[req.num_written_blocks : num_full]
+        req.pending_writes.append(FullBlocks(hashes, self.runner.export_blocks(block_ids)))
+        req.num_written_blocks = num_full
 
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.remove(req)

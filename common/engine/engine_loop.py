@@ -137,6 +137,12 @@ class EngineLoop:
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda engine: self._abort(request_id))
 
+    def fail_all(self, exc: BaseException) -> None:
+        """Soon, on the engine thread: aborts every streaming request (freeing its blocks)
+        and raises ``exc`` in its consumer (a drain whose grace period ended)."""
+        self._commands.put(lambda: self._fail_all(exc))
+        self._wake.set()
+
     # -- engine thread ------------------------------------------------------------------------
 
     def _abort(self, request_id: str) -> bool:

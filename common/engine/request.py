@@ -40,6 +40,26 @@ class KvImport:
 
 
 @dataclass
+class FullBlocks:
+    """Copies of full KV blocks with their hashes, in the wire layout.
+
+    ``data`` is ``[n, L, 2, S, Hkv, D]`` with ``n = len(block_hashes)``.
+    """
+
+    block_hashes: list[BlockHash]
+    data: torch.Tensor
+
+    @staticmethod
+    def join(parts: list[FullBlocks]) -> FullBlocks | None:
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        hashes = [h for part in parts for h in part.block_hashes]
+        return FullBlocks(hashes, torch.cat([part.data for part in parts]))
+
+
+@dataclass
 class TokenLogprob:
     token_id: int
     logprob: float
@@ -59,6 +79,7 @@ class Request:
         output_token_ids: list[int] | None = None,
         kv_import: KvImport | None = None,
         hash_seed: str = "",
+        write_behind: bool = False,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -81,6 +102,12 @@ class Request:
         self.first_scheduled_time: float | None = None
         # The chain of full-block hashes over token_ids, grown as tokens arrive.
         self.block_hashes: list[BlockHash] = []
+        # Write-behind: copies of the full blocks this engine computed, kept until the next
+        # output hands them on (towards the block store). Blocks below num_written_blocks
+        # were copied already, or came from elsewhere (imported, prefix-cache hits).
+        self.write_behind = write_behind
+        self.num_written_blocks = 0
+        self.pending_writes: list[FullBlocks] = []
         self._hash_extra = extra_keys_for(cache_salt)
         self._hash_parent = root_hash(hash_seed)
 

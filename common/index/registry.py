@@ -23,9 +23,12 @@ class WorkerInfo:
     # Most tokens a request may span on this worker (its KV pool bounds it too); 0 = unknown.
     max_model_len: int = 0
     heartbeat_unix_ms: int = 0
+    pid: int = 0  # on the process's own host; 0 = unknown
+    # Asked to stop and draining: admits nothing new, so routers skip it.
+    draining: bool = False
 
     def to_redis(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> WorkerInfo:
@@ -37,12 +40,8 @@ class WorkerInfo:
         for f in fields(cls):
             if f.name not in text:
                 continue
-            kind = (
-                f.type
-                if isinstance(f.type, type)
-                else {"int": int, "float": float, "str": str}[str(f.type)]
-            )
-            values[f.name] = kind(text[f.name])
+            kind = f.type if isinstance(f.type, type) else _PARSERS[str(f.type)]
+            values[f.name] = _parse_bool(text[f.name]) if kind is bool else kind(text[f.name])
         return cls(**values)
 
 
@@ -87,6 +86,13 @@ class WorkerRegistry:
         if dead:
             await self.redis.srem(keys.workers(), *dead)
         return [w for w in alive if role is None or w.role == role]
+
+
+_PARSERS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _parse_bool(text: str) -> bool:
+    return text not in ("0", "False", "")
 
 
 def _text(value: bytes | str) -> str:

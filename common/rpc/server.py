@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -100,10 +100,19 @@ async def create_server(
     return wrapped
 
 
+# After a custom drain: how long the server still waits for calls that are ending.
+_STOP_GRACE_S = 2.0
+
+
 async def serve_until_signal(
-    server: Server, grace_s: float, on_stop: Callable[[], object] | None = None
+    server: Server,
+    grace_s: float,
+    on_stop: Callable[[], object] | None = None,
+    drain: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
-    """Runs until SIGTERM/SIGINT, then drains gracefully."""
+    """Runs until SIGTERM/SIGINT, then drains gracefully: health goes NOT_SERVING, then
+    ``drain(grace_s)`` (when given: the server keeps serving while it runs, and stops
+    after it with a short grace) or else the server's own ``grace_s``; then ``on_stop``."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,7 +122,12 @@ async def serve_until_signal(
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("draining (grace %.0fs)", grace_s)
-        await server.stop(grace_s)
+        if drain is not None:
+            await server.set_serving(False)
+            await drain(grace_s)
+            await server.stop(_STOP_GRACE_S)
+        else:
+            await server.stop(grace_s)
     if on_stop is not None:
         result = on_stop()
         if asyncio.iscoroutine(result):

@@ -5,6 +5,11 @@ the Redis registry (heartbeat with load figures), its entries in the prefix inde
 (BlockStored on compute/import, BlockRemoved on eviction), and the block-store client.
 Redis and the block store are optional and never fail a request: the index is advisory,
 the store is a second source of KV.
+
+Draining (SIGTERM, see common/worker/serve.py): ``begin_drain`` marks the worker draining in
+the registry at once, so routers skip it, and ``admit`` refuses new calls with
+``DrainingError`` (UNAVAILABLE); ``wait_idle`` waits for the calls in flight and the leases
+on exported KV; ``end_streams`` ends whatever is left, so that callers resume elsewhere.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -22,8 +28,8 @@ from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
-from common.engine.request import KvImport
-from common.errors import PdserveError, UnavailableError
+from common.engine.request import FullBlocks, KvImport
+from common.errors import DrainingError, PdserveError, UnavailableError
 from common.index import keys, redis_client
 from common.index.expert_load import ExpertLoadStore
 from common.index.prefix_index import PrefixIndex
@@ -53,6 +59,9 @@ PUT_TIMEOUT_S = 30.0  # a write-through put runs in the background: it may take 
 _TIMEOUT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
 
 ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+# Write-behind puts in flight at most; blocks beyond are not written (a resumed request then
+# recomputes them): the store is a cache, and this queue, like every queue, is bounded.
+MAX_WRITES_IN_FLIGHT = 64
 
 
 class BlockStoreSkipped(UnavailableError):
@@ -106,6 +115,9 @@ class WorkerRuntime:
         self.address = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
+        self.draining = False
+        self.num_active_calls = 0  # Prefill / Decode calls admitted and not yet ended
+        self.num_writes_in_flight = 0
 
     async def start(self, port: int) -> None:
         self.worker_id = self.config.resolved_worker_id(port)
@@ -163,6 +175,48 @@ class WorkerRuntime:
         await self.channels.close()
         self.loop.stop()
 
+    # -- admission and draining ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Wraps one Prefill / Decode call; refuses it while draining."""
+        if self.draining:
+            raise DrainingError(f"{self.config.role} worker {self.worker_id} is draining")
+        self.num_active_calls += 1
+        try:
+            yield
+        finally:
+            self.num_active_calls -= 1
+
+    async def begin_drain(self) -> None:
+        """No new calls from now on; the registry says so at once (routers skip us)."""
+        self.draining = True
+        if self.registry is not None:
+            try:
+                await asyncio.wait_for(self.heartbeat_once(), timeout=2.0)
+            except Exception as exc:
+                log.warning("could not mark this worker draining in the registry: %s", exc)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no call is in flight and no lease pins exported KV; False if
+        ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_active_calls or len(self.leases):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def end_streams(self) -> None:
+        """Ends every request still in the engine with UNAVAILABLE (reason DRAINING), so
+        that its caller resumes it elsewhere; their blocks are freed."""
+        self.loop.fail_all(
+            DrainingError(
+                f"{self.config.role} worker {self.worker_id} ended its drain grace period; "
+                "resume the request elsewhere"
+            )
+        )
+
     # -- status -----------------------------------------------------------------------------
 
     async def stats(self) -> EngineStats:
@@ -179,6 +233,8 @@ class WorkerRuntime:
             num_running_requests=stats.num_running,
             num_waiting_requests=stats.num_waiting,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            pid=os.getpid(),
+            draining=self.draining,
         )
 
     async def _heartbeat_forever(self) -> None:
@@ -220,6 +276,8 @@ class WorkerRuntime:
                 num_waiting=stats.num_waiting,
                 prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                 max_model_len=self.engine.max_model_len,
+                pid=os.getpid(),
+                draining=self.draining,
             )
         )
         self.metrics.redis.ok()
@@ -383,6 +441,25 @@ class WorkerRuntime:
             num_written,
             time.perf_counter() - start,
         )
+
+    def write_behind(self, blocks: FullBlocks) -> None:
+        """Writes full blocks a request computed here to the block store, in the background
+        (so that a request resumed elsewhere finds them); dropped when too many writes are
+        in flight already."""
+        if self.store is None:
+            return
+        if self.num_writes_in_flight >= MAX_WRITES_IN_FLIGHT:
+            log.debug("write-behind queue full: %d blocks not written", len(blocks.block_hashes))
+            return
+        self.num_writes_in_flight += 1
+
+        async def write() -> None:
+            try:
+                await self.store_blocks([int(h) for h in blocks.block_hashes], blocks.data)
+            finally:
+                self.num_writes_in_flight -= 1
+
+        self.in_background(write())
 
     async def import_from_store(
         self, token_ids: list[int], cache_salt: str | None, timeout_s: float | None

@@ -1,4 +1,10 @@
-"""Runs a prefill or decode worker process: engine, runtime, gRPC server, drain on SIGTERM."""
+"""Runs a prefill or decode worker process: engine, runtime, gRPC server, drain on SIGTERM.
+
+The drain: health NOT_SERVING and the registry entry marked draining (routers skip the
+worker), new Prefill / Decode calls refused with UNAVAILABLE; the calls in flight and the
+leases on exported KV get the grace period; then what is left ends with UNAVAILABLE
+(reason DRAINING), which a gateway answers by resuming the request on another worker.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +61,25 @@ async def start_worker(
     return server, runtime
 
 
+_END_WAIT_S = 2.0  # for streams ended at the end of the grace period to send their status
+
+
+async def drain_worker(runtime: WorkerRuntime, grace_s: float) -> None:
+    await runtime.begin_drain()
+    if await runtime.wait_idle(grace_s):
+        log.info("drained: nothing left in flight")
+        return
+    log.info(
+        "drain grace period over: ending %d calls (%d leases held); callers resume elsewhere",
+        runtime.num_active_calls,
+        len(runtime.leases),
+    )
+    runtime.end_streams()
+    deadline = asyncio.get_running_loop().time() + _END_WAIT_S
+    while runtime.num_active_calls and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def serve_worker(config: WorkerConfig, add_servicers: AddServicers) -> None:
     """The worker process: tracing from OTEL_*, metrics at --metrics-port, until SIGTERM."""
     tracing = setup_tracing(config.role, config.worker_id)
@@ -67,7 +92,12 @@ async def serve_worker(config: WorkerConfig, add_servicers: AddServicers) -> Non
             )
         server, runtime = await start_worker(config, add_servicers, metrics_registry)
         print(f"{config.role} worker {runtime.worker_id} serving at {runtime.address}", flush=True)
-        await serve_until_signal(server, config.drain_grace_s, on_stop=runtime.stop)
+        await serve_until_signal(
+            server,
+            config.drain_grace_s,
+            on_stop=runtime.stop,
+            drain=lambda grace_s: drain_worker(runtime, grace_s),
+        )
     finally:
         if metrics_server is not None:
             metrics_server.stop()

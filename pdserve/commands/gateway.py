@@ -64,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=5.0,
         help="how long a failing worker is left alone before one probe call",
     )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times a request whose decode stream breaks continues on another decode worker",
+    )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
     add_admission_args(parser)
@@ -154,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=api_keys_from_args(args),
         tls=tls_from_args(args),
         public_tls=PublicTls.from_flags(args.public_tls_cert, args.public_tls_key),
+        max_migrations=args.max_migrations,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,

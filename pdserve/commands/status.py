@@ -32,7 +32,9 @@ ROLE_NAMES = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="list the cluster's workers and their load")
     add_client_args(parser)
-    parser.add_argument("--json", action="store_true", help="a JSON list, one object per worker")
+    parser.add_argument(
+        "--json", action="store_true", help="a JSON list, one object per process (with its pid)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -95,6 +97,8 @@ async def fetch(
             "running": w.num_running_requests,
             "waiting": w.num_waiting_requests,
             "prefix_cache_hit_rate": round(w.prefix_cache_hit_rate, 4),
+            "pid": w.pid,
+            "draining": w.draining,
         }
         for w in reply.workers
     ]
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(workers, indent=2))
         return 0
-    header = (f"{'id':<14} {'role':<10} {'address':<22} {'kv free/total':>15} {'run':>4} "
+    header = (f"{'id':<14} {'role':<10} {'address':<22} {'pid':>7} {'kv free/total':>15} {'run':>4} "
               f"{'wait':>5} {'hit rate':>8} {'requests':>8} {'prompt tok':>10} {'gen tok':>8} "
               f"{'ttft ms':>8}")  # fmt: skip
     print(header)
@@ -134,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
         blocks = f"{w['kv_blocks_free']}/{w['kv_blocks_total']}" if w["kv_blocks_total"] else "-"
         m: dict[str, float] = w.get("metrics") or {}  # type: ignore[assignment]
         ttft = f"{m['ttft_mean_s'] * 1000:.1f}" if "ttft_mean_s" in m else "-"
-        print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {blocks:>15} "
+        print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {w['pid'] or '-'!s:>7} {blocks:>15} "
               f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
               f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "
-              f"{_count(m, 'generation_tokens'):>8} {ttft:>8}")  # fmt: skip
+              f"{_count(m, 'generation_tokens'):>8} {ttft:>8}"
+              f"{'  draining' if w['draining'] else ''}")  # fmt: skip
     for line in health_lines(workers):
         print(line)
     return 0

@@ -121,6 +121,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     failures.add_argument("--kv-pull-timeout-s", type=float, default=None, help="decode workers")
     failures.add_argument("--blockstore-timeout-s", type=float, default=None, help="workers")
     failures.add_argument("--lease-ttl-s", type=float, default=None, help="workers")
+    up.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long workers and the gateway let requests finish",
+    )
     up.add_argument("--dtype", default=None)
     up.add_argument("--device", default=None)
     up.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
@@ -153,8 +159,10 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
 
 
 # Failure handling: gateway, every worker, decode workers.
-_FAILOVER_FLAGS = ("prefill_timeout_s", "breaker_failures", "breaker_cooldown_s")
-_WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s")
+_FAILOVER_FLAGS = (
+    "prefill_timeout_s", "breaker_failures", "breaker_cooldown_s", "drain_grace_s",
+)  # fmt: skip
+_WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s", "drain_grace_s")
 _DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
 
 

@@ -95,6 +95,8 @@ class BlockStoreProcess:
             num_kv_blocks_free=status.num_kv_blocks_free,
             num_running=status.num_running_requests,
             prefix_cache_hit_rate=status.prefix_cache_hit_rate,
+            pid=status.pid,
+            draining=status.draining,
         )
 
     async def start_background(self) -> None:

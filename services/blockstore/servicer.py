@@ -7,6 +7,7 @@ store call is synchronous, so a unary RPC runs whole between two awaits (see sto
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -139,6 +140,8 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
             num_kv_blocks_free=free,
             num_running_requests=stats.num_open_puts,
             prefix_cache_hit_rate=stats.prefix_hit_rate,
+            pid=os.getpid(),
+            draining=self.draining,
         )
 
     def _check_serving(self) -> None:

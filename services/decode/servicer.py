@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +46,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        with self.runtime.admit():
+            # aclosing: a cancelled call runs _decode's cleanup now (frees the blocks).
+            async with contextlib.aclosing(self._decode(request, context)) as messages:
+                async for message in messages:
+                    yield message
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         arrival = time.monotonic()
         runtime = self.runtime
         bind_request_id(request.request_id)
@@ -73,6 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
             if kv_import is not None:
                 transfer.peer = BLOCK_STORE
+                transfer.num_bytes = kv_import.data.numel() * kv_import.data.element_size()
         imported = kv_import.num_tokens if kv_import is not None else 0
         admitted = time.monotonic()
 
@@ -89,12 +99,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             cache_salt=salt,
             output_token_ids=generated,
             kv_import=kv_import,
+            write_behind=runtime.store is not None,
         )
         try:
             # aclosing: a cancelled call aborts the request now, not when the generator is
             # collected.
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    if out.full_blocks is not None:
+                        runtime.write_behind(out.full_blocks)
                     stream.add(out, metrics, len(prompt))
                     message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
                     if sampling.logprobs or sampling.top_logprobs:

@@ -39,6 +39,8 @@ class GatewayConfig:
     api_keys: ApiKeys | None = None  # None: authentication off, no tenants
     tls: TlsConfig | None = None  # mutual TLS towards workers (internal hops)
     public_tls: PublicTls | None = None  # TLS on the public port
+    # A request whose decode stream breaks continues on another decode worker this many times.
+    max_migrations: int = 3
     registry_refresh_s: float = 0.25
     # Per-hop limit of a prefill call (0 = only the client's deadline): past it the prompt
     # moves to another prefill worker, or to the decode worker when none is left.
@@ -69,6 +71,8 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_timeout_s < 0:
             raise ValueError(f"prefill_timeout_s must be >= 0, got {self.prefill_timeout_s}")
         if self.breaker_failure_threshold < 1:

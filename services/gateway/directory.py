@@ -83,4 +83,13 @@ class WorkerDirectory:
         return self._workers
 
     async def by_role(self, role: str, model: str) -> list[WorkerInfo]:
-        return [w for w in await self.workers() if w.role == role and w.model == model]
+        """The workers that take new requests of ``model`` in ``role`` (not draining)."""
+        return [
+            w
+            for w in await self.workers()
+            if w.role == role and w.model == model and not w.draining
+        ]
+
+    def forget(self, worker_id: str) -> None:
+        """Drops a worker that failed a call until the registry says otherwise."""
+        self._workers = [w for w in self._workers if w.worker_id != worker_id]

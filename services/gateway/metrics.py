@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.telemetry.metrics import RedisHealth, RequestMetrics, metric_name
+from services.gateway import migration
 from services.gateway.routing import REASONS
 
 
@@ -37,6 +38,14 @@ class GatewayMetrics:
         )  # fmt: skip
         for reason in REASONS:  # every series exists from the start, at 0
             self._routing.labels(reason)
+        self._migrations = Counter(
+            metric_name("request_migrations"),
+            "Decode streams that broke mid-way and continued on another decode worker, by why "
+            "they broke.",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        for reason in migration.REASONS:
+            self._migrations.labels(reason)
         self.redis = RedisHealth(registry)
         self.index_available = Gauge(
             metric_name("index_available"),
@@ -95,3 +104,6 @@ class GatewayMetrics:
 
     def routed(self, reason: str) -> None:
         self._routing.labels(reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        self._migrations.labels(reason).inc()

@@ -32,6 +32,7 @@ class Relay:
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
         self.queue_ms = 0.0
+        self.num_migrations = 0  # decode streams that broke and continued elsewhere
         self.finish_reason: str | None = None  # set once the final message is built
 
     def message(self, token_ids: list[int], logprobs: list[Any]) -> gateway_pb2.GenerateResponse:

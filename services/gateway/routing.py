@@ -95,8 +95,7 @@ class Router:
             overlap = {}
 
         def decode_key(w: WorkerInfo) -> tuple[float, ...]:
-            load = w.num_running + self.in_flight[w.worker_id]
-            return (load, -w.num_kv_blocks_free, _tiebreak(request_id, w))
+            return self._decode_key(request_id, w)
 
         best_cached = max(decodes, key=lambda w: (overlap.get(w.worker_id, 0), -decode_key(w)[0]))
         cached_tokens = overlap.get(best_cached.worker_id, 0) * self.block_size
@@ -127,6 +126,20 @@ class Router:
             )
 
         return max(prefills, key=prefill_score)
+
+    def choose_decode(self, request_id: str, decodes: list[WorkerInfo]) -> WorkerInfo:
+        """The decode worker that continues a request elsewhere (migration): the least
+        loaded, as for a new request."""
+        if not decodes:
+            raise UnavailableError("no decode worker is alive; retry later")
+        return min(decodes, key=lambda w: self._decode_key(request_id, w))
+
+    def _decode_key(self, request_id: str, w: WorkerInfo) -> tuple[float, ...]:
+        return (
+            w.num_running + self.in_flight[w.worker_id],
+            -w.num_kv_blocks_free,
+            _tiebreak(request_id, w),
+        )
 
 
 def _tiebreak(request_id: str, w: WorkerInfo) -> int:

@@ -91,6 +91,7 @@ async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> Non
                     address=servicer.address,
                     model=servicer.model,
                     num_running=servicer.num_in_flight,
+                    pid=os.getpid(),
                 )
             )
             servicer.health.ok()

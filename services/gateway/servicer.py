@@ -19,9 +19,7 @@ from common.engine.sampling_params import SamplingParams
 from common.errors import (
     AlreadyExistsError,
     InvalidRequestError,
-    KvLoadError,
     NotFoundError,
-    PdserveError,
     UnavailableError,
 )
 from common.index.prefix_index import PrefixIndex, prefix_overlap
@@ -31,19 +29,20 @@ from common.kv.pull import RELEASE_RETRY_S, release_lease
 from common.models.spec import ModelSpec
 from common.rpc.breaker import PEER_FAILURE_CODES, CircuitState
 from common.rpc.channels import ChannelPool, remaining_timeout
-from common.rpc.errors import from_rpc_error, reason_of, rpc_method
-from common.rpc.tracing import ClientSpan, client_span
+from common.rpc.errors import rpc_method
+from common.rpc.tracing import client_span
 from common.telemetry.logs import bind_request_id
 from common.telemetry.tracing import tracer
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
-from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.decode.v1 import decode_pb2
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.gateway.admission import Admission, Ticket, estimate_prompt_tokens
 from services.gateway.auth import tenant_cache_salt
 from services.gateway.config import GatewayConfig
+from services.gateway.decode_stream import DecodeStreamer, downstream_error
 from services.gateway.directory import WorkerDirectory
 from services.gateway.frontend import check_sizes, prompt_token_ids
 from services.gateway.health import IndexHealth, WorkerBreakers
@@ -56,7 +55,6 @@ from services.gateway.telemetry import describe_request, record_request, route_a
 log = logging.getLogger(__name__)
 
 PREFILL_METHOD = "/pdserve.prefill.v1.PrefillService/Prefill"
-DECODE_METHOD = "/pdserve.decode.v1.DecodeService/Decode"
 
 # A prefill call that ends with one of these moves on to another worker: the worker died,
 # reset the connection, crashed mid-call or was stopped under it.
@@ -110,6 +108,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             config.routing_policy,
         )
         self.channels = ChannelPool(config.tls)
+        self.decoder = DecodeStreamer(
+            self.router,
+            directory,
+            self.channels,
+            metrics,
+            self.model,
+            config.max_migrations,
+            self.breakers,
+        )
         self.gateway_id = gateway_id
         self.address = address
         self.metrics = metrics
@@ -312,80 +319,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             cache_salt=salt or "",
         )
         sampling.to_pb(decode_request.sampling)
-        handle: common_pb2.KvHandle | None = None
         first: gateway_pb2.GenerateResponse | None = None
         prefilled = None
         if route.prefill is not None:
             prefilled = await self._prefill_failover(route, overlap, relay, sampling, salt, context)
-        if prefilled is not None:
+        if prefilled is None:
+            decode_request.local_prefill = True
+        else:
             relay.cached_tokens = prefilled.cached_tokens
             first = relay.message([prefilled.first_token_id], _first_logprob(prefilled))
             if prefilled.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 yield relay.finish(first, prefilled.finish_reason)
                 return
-            handle = prefilled.kv_handle
-            decode_request.kv_handle.CopyFrom(handle)
+            decode_request.kv_handle.CopyFrom(prefilled.kv_handle)
             decode_request.generated_token_ids.append(prefilled.first_token_id)
-        else:
-            decode_request.local_prefill = True
 
-        decode_id = route.decode.worker_id
-        started = False
-        call: Any = None
-        span: ClientSpan | None = None
-        self.router.in_flight[decode_id] += 1
+        decoding = False  # from then on the decoder owns the lease
         try:
             if first is not None:
                 if relay.detok.stop_string is not None:
                     yield relay.finish(first, common_pb2.FINISH_REASON_STOP)
                     return
                 yield first
-            stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(route.decode.address))
-            span = ClientSpan(DECODE_METHOD, route.decode.address, {"pdserve.worker_id": decode_id})
-            dispatched_ms = (time.monotonic() - relay.arrival) * 1000
-            call = stub.Decode(
-                decode_request, timeout=remaining_timeout(context), metadata=span.metadata
+            decoding = True
+            decode = self.decoder.stream(
+                route.decode, decode_request, relay, sampling, context, self._release_later
             )
-            async for message in call:
-                if not started:
-                    started = True
-                    self.breakers.success(decode_id)
-                reply = relay.message(list(message.token_ids), list(message.logprobs))
-                if prefilled is None and message.finish_reason:
-                    relay.cached_tokens = message.cached_tokens + message.imported_tokens
-                    relay.queue_ms = dispatched_ms + message.queue_ms
-                if relay.detok.stop_string is not None:
-                    yield relay.finish(reply, common_pb2.FINISH_REASON_STOP)
-                    return
-                if message.finish_reason:
-                    yield relay.finish(reply, message.finish_reason)
-                    return
-                if reply.token_ids or reply.text:
+            # aclosing: the decode call is cancelled (and an unused lease released) as soon
+            # as the client goes away.
+            async with contextlib.aclosing(decode) as replies:
+                async for reply in replies:
                     yield reply
-            raise PdserveError("the decode stream ended without a finish reason")
-        except grpc.aio.AioRpcError as exc:
-            if span is not None:
-                span.failed(exc)
-            if exc.code() in PEER_FAILURE_CODES and reason_of(exc) != KvLoadError.reason:
-                self.breakers.failure(decode_id)
-            error = _downstream_error(exc, f"decode worker {decode_id}")
-            if relay.generated and not isinstance(error, asyncio.TimeoutError):
-                # Tokens already reached the client: close the stream's accounting first.
-                ending = gateway_pb2.GenerateResponse(request_id=relay.request_id)
-                yield relay.finish(ending, common_pb2.FINISH_REASON_ERROR)
-            raise error from exc
-        except BaseException as exc:
-            if span is not None:
-                span.failed(exc)
-            raise
         finally:
-            if span is not None:
-                span.end()
-            self.router.in_flight[decode_id] -= 1
-            if call is not None and not call.done():
-                call.cancel()
-            if handle is not None and not started:
-                self._release_later(handle)
+            if prefilled is not None and not decoding:
+                self._release_later(prefilled.kv_handle)
 
     async def _prefill_failover(
         self,
@@ -492,7 +459,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         self.breakers.failure(worker.worker_id)
                     raise _PrefillFailed(f"{code.name}: {exc.details()}") from exc
                 self.breakers.success(worker.worker_id)  # it answered, about the request
-                raise _downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
+                raise downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
             except asyncio.CancelledError:
                 call.cancel()
                 # Released whether or not the lease exists yet: the worker remembers.
@@ -597,18 +564,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             await asyncio.wait([task], timeout=2.0)
         await self.channels.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-
-
-def _downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
-    """What to answer when a worker call fails. The caller's deadline, passed down, expires
-    there first: that stays DEADLINE_EXCEEDED (tokens sent stand), not a server fault. A
-    decode worker that could not load the KV keeps its reason (KV_LOAD_FAILED)."""
-    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return asyncio.TimeoutError(f"{what}: the deadline passed")
-    error = from_rpc_error(exc, what)
-    if isinstance(error, UnavailableError) and reason_of(exc) == KvLoadError.reason:
-        return KvLoadError(str(error))
-    return error
 
 
 def _first_logprob(response: prefill_pb2.PrefillResponse) -> list[common_pb2.TokenLogprob]:

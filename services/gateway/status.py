@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 
@@ -34,6 +35,8 @@ def _from_registry(info: WorkerInfo) -> common_pb2.WorkerStatus:
         num_running_requests=info.num_running,
         num_waiting_requests=info.num_waiting,
         prefix_cache_hit_rate=info.prefix_cache_hit_rate,
+        pid=info.pid,
+        draining=info.draining,
     )
 
 
@@ -68,7 +71,11 @@ async def cluster_status(
     statuses = list(await asyncio.gather(*(_fresh(w, channels) for w in others)))
     statuses.append(
         common_pb2.WorkerStatus(
-            worker_id=gateway_id, role=common_pb2.WORKER_ROLE_GATEWAY, address=address, model=model
+            worker_id=gateway_id,
+            role=common_pb2.WORKER_ROLE_GATEWAY,
+            address=address,
+            model=model,
+            pid=os.getpid(),
         )
     )
     role_rank = {ROLES[r]: i for i, r in enumerate(_ORDER)}

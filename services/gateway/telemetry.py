@@ -87,11 +87,12 @@ def record_request(
             "gen_ai.usage.cache_read.input_tokens": relay.cached_tokens,
             "pdserve.queue_ms": relay.queue_ms,
             "pdserve.ttft_ms": relay.ttft_ms(now),
+            "pdserve.migrations": relay.num_migrations,
         }
     )
     log.info(
         "request %s: %s, route %s (prefill %s, decode %s), prompt %d tokens (%d cached), "
-        "completion %d tokens; queue %.1f ms, ttft %.1f ms, total %.1f ms",
+        "completion %d tokens, %d migrations; queue %.1f ms, ttft %.1f ms, total %.1f ms",
         relay.request_id,
         reason or f"failed ({type(failure).__name__}: {failure})",
         route.reason if route else "-",
@@ -100,6 +101,7 @@ def record_request(
         len(relay.prompt),
         relay.cached_tokens,
         len(relay.generated),
+        relay.num_migrations,
         relay.queue_ms,
         relay.ttft_ms(now),
         (now - relay.arrival) * 1000,

@@ -32,6 +32,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        with self.runtime.admit():
+            return await self._prefill(request, context)
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
         arrival = time.monotonic()
         runtime = self.runtime
         bind_request_id(request.request_id)

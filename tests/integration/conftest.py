@@ -38,6 +38,15 @@ class Stack:
 
         return asyncio.run(fetch(self.target))
 
+    def children(self) -> dict[str, Child]:
+        """The processes ``pdserve up`` recorded, by name (as restarted since)."""
+        state = StackState.load(self.run_dir / "stack.json")
+        assert state is not None, "pdserve up recorded no stack"
+        return {c.name: c for c in state.children}
+
+    def log_of(self, name: str) -> str:
+        return Path(self.children()[name].log).read_text(errors="replace")
+
     def wait_all_free(self, timeout_s: float = 20.0) -> list[dict]:
         """Polls until every worker's KV pool is entirely free again (or times out)."""
         deadline = time.monotonic() + timeout_s
@@ -78,14 +87,6 @@ class ObservedStack(Stack):
     OTLP receiver in this test process, every process with a metrics endpoint."""
 
     receiver: OtlpReceiver
-
-    def children(self) -> dict[str, Child]:
-        state = StackState.load(self.run_dir / "stack.json")
-        assert state is not None, "pdserve up recorded no stack"
-        return {c.name: c for c in state.children}
-
-    def log_of(self, name: str) -> str:
-        return Path(self.children()[name].log).read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")

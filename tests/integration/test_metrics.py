@@ -60,7 +60,8 @@ def test_counts_after_a_known_workload(observed_stack: ObservedStack) -> None:
     assert [r.cached_tokens for r in (a, b, c)] == [0, 96, 0]
 
     def settled() -> dict[str, Samples]:
-        """After the prefill worker's background put to the block store and lease release."""
+        """After the background puts to the block store (A's prompt blocks from the prefill
+        worker, C's first block written behind by the decode worker) and lease release."""
         deadline = time.monotonic() + 15
         while True:
             now = {name: scrape(url) for name, url in urls.items() if url}
@@ -68,7 +69,7 @@ def test_counts_after_a_known_workload(observed_stack: ObservedStack) -> None:
                 "pdserve:grpc_server_handled_total", grpc_method="CommitPut"
             )
             leases = now["prefill-0"].sum("pdserve:kv_leases_active")
-            if (put == 1 and leases == 0) or time.monotonic() > deadline:
+            if (put == 2 and leases == 0) or time.monotonic() > deadline:
                 return now
             time.sleep(0.1)
 
@@ -119,15 +120,20 @@ def test_counts_after_a_known_workload(observed_stack: ObservedStack) -> None:
     assert received / 7 == sent / 6 > 0  # whole blocks of one layout
     assert decode("pdserve:kv_transfer_duration_seconds_count", peer="producer") == 1
     assert decode("pdserve:kv_transfer_failures_total") == 0
+    # Write-behind: the decode worker computed one full block itself, C's first (its 10
+    # prompt tokens and 6 of the 7 computed output tokens); A's and B's first 6 blocks were
+    # imported or cached, and neither filled a 7th (100 + 7 computed tokens < 112).
+    assert decode("pdserve:kv_transfer_blocks_total", peer="block_store", direction="sent") == 1
     assert after["decode-0"].sum("pdserve:num_requests_running") == 0
     assert after["decode-0"].sum("pdserve:num_requests_waiting") == 0
     assert 0 <= after["decode-0"].sum("pdserve:kv_cache_usage_perc") < 1
 
-    # The block store: A's 6 full blocks put once; looked up by A's prefill and B's decode.
-    assert store("pdserve:grpc_server_handled_total", grpc_method="BeginPut") == 1
+    # The block store: A's 6 full blocks put once, and C's one block written behind; looked
+    # up by A's prefill and B's decode.
+    assert store("pdserve:grpc_server_handled_total", grpc_method="BeginPut") == 2
     assert store("pdserve:grpc_server_handled_total", grpc_method="ContainsBlocks") == 2
     assert store("pdserve:grpc_server_handled_total", grpc_method="GetBlocks") == 0
-    assert store("pdserve:blockstore_blocks") == 6
+    assert store("pdserve:blockstore_blocks") == 7
     for samples in after.values():
         assert samples.has("process_cpu_seconds_total")
 

@@ -107,17 +107,23 @@ def test_cli_generate_and_status_json(stack: Stack) -> None:
     workers = json.loads(status.stdout)
     roles = sorted(w["role"] for w in workers)
     assert roles == ["blockstore", "decode", "decode", "gateway", "prefill", "prefill"]
+    pids = {child.address: child.pid for child in stack.children().values()}
     for w in workers:
         assert set(w) >= {
             "id",
             "role",
             "address",
+            "pid",
+            "draining",
             "kv_blocks_total",
             "kv_blocks_free",
             "running",
             "waiting",
             "prefix_cache_hit_rate",
         }
+        # Each process's own pid, the one pdserve up started: a test or operator can signal it.
+        assert w["pid"] == pids[w["address"]], w
+        assert w["draining"] is False
 
 
 def test_tenants_with_different_salts_never_share_cached_prefixes(stack: Stack) -> None:

@@ -74,6 +74,16 @@ class DecodeServiceServicer:
         itself, reusing its own prefix cache and the block store, and samples
         the first token when generated_token_ids is empty.
 
+        Resuming (migration): a gateway whose decode stream broke sends the same
+        request again, to another worker, with local_prefill and every token it
+        has received as generated_token_ids. That worker imports the context's
+        full blocks from the block store and computes only the rest; sampling
+        continues at output position len(generated_token_ids), so greedy and
+        seeded requests yield the tokens an unbroken stream would have. To make
+        that cheap, a worker with a block store writes each full block of the
+        context that it computed itself (prompt blocks of a local prefill, and
+        blocks of generated tokens as they fill) behind to the block store.
+
         The stream ends with OK after a message whose finish_reason is
         FINISH_REASON_STOP or FINISH_REASON_LENGTH; every other end is a non-OK
         status, possibly after some tokens were sent, and the caller may resume
@@ -97,8 +107,9 @@ class DecodeServiceServicer:
         CANCELLED: the caller cancelled; the request's blocks are freed.
         DEADLINE_EXCEEDED: the deadline passed; the request's blocks are
         freed.
-        UNAVAILABLE: the worker is draining or shutting down, possibly
-        mid-stream; resume elsewhere.
+        UNAVAILABLE: the worker is draining (refused at once) or its drain
+        grace period ended mid-stream (ErrorInfo.reason DRAINING), or it is
+        shutting down; resume elsewhere.
         INTERNAL: the engine failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
