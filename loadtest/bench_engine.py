@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--single-stream-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument(
+        "--single-stream-only", action="store_true", help="skip the 32-request batch comparison"
+    )
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
@@ -99,18 +102,9 @@ def main() -> None:
     run_pdserve(engine, work[:1])
     run_hf(hf, [(work[0][0][:32], 4)], 1)
 
-    pd_time, pd_tokens = run_pdserve(engine, work)
-    print(
-        f"pdserve  continuous batching: {pd_tokens} tokens in {pd_time:.1f}s = {pd_tokens / pd_time:.1f} tok/s",
-        flush=True,
-    )
-    hf_time, hf_tokens = run_hf(hf, work, args.max_running)
-    print(
-        f"transformers static batches:  {hf_tokens} tokens in {hf_time:.1f}s = {hf_tokens / hf_time:.1f} tok/s",
-        flush=True,
-    )
-    ratio = (pd_tokens / pd_time) / (hf_tokens / hf_time)
-    print(f"throughput ratio pdserve / transformers: {ratio:.2f}x", flush=True)
+    figures: dict[str, float] = {}
+    if not args.single_stream_only:
+        figures.update(compare_batches(engine, hf, work, args.max_running))
 
     n = args.single_stream_tokens
     prompt = work[0][0][:128]
@@ -118,12 +112,29 @@ def main() -> None:
     hf_single, _ = run_hf(hf, [(prompt, n)], 1)
     print(f"single stream ({len(prompt)}-token prompt, {n} tokens): pdserve {n / pd_single:.1f} tok/s, "
           f"transformers {n / hf_single:.1f} tok/s, ratio {hf_single / pd_single:.2f}x", flush=True)  # fmt: skip
+    figures.update({"pdserve_single_tok_s": n / pd_single, "transformers_single_tok_s": n / hf_single,
+                    "single_ratio": hf_single / pd_single})  # fmt: skip
     if args.json:
-        print(json.dumps({
-            "pdserve_tok_s": pd_tokens / pd_time, "transformers_tok_s": hf_tokens / hf_time,
-            "throughput_ratio": ratio, "pdserve_single_tok_s": n / pd_single,
-            "transformers_single_tok_s": n / hf_single, "single_ratio": hf_single / pd_single,
-        }))  # fmt: skip
+        print(json.dumps(figures))
+
+
+def compare_batches(
+    engine: Engine, hf: Any, work: list[tuple[list[int], int]], max_running: int
+) -> dict[str, float]:
+    pd_time, pd_tokens = run_pdserve(engine, work)
+    print(
+        f"pdserve  continuous batching: {pd_tokens} tokens in {pd_time:.1f}s = {pd_tokens / pd_time:.1f} tok/s",
+        flush=True,
+    )
+    hf_time, hf_tokens = run_hf(hf, work, max_running)
+    print(
+        f"transformers static batches:  {hf_tokens} tokens in {hf_time:.1f}s = {hf_tokens / hf_time:.1f} tok/s",
+        flush=True,
+    )
+    ratio = (pd_tokens / pd_time) / (hf_tokens / hf_time)
+    print(f"throughput ratio pdserve / transformers: {ratio:.2f}x", flush=True)
+    return {"pdserve_tok_s": pd_tokens / pd_time, "transformers_tok_s": hf_tokens / hf_time,
+            "throughput_ratio": ratio}  # fmt: skip
 
 
 if __name__ == "__main__":
