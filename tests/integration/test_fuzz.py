@@ -100,9 +100,14 @@ class Tally:
         self.problems: list[str] = []
 
     def record(
-        self, what: str, code: grpc.StatusCode, elapsed_s: float, request: Any, details: str = ""
+        self,
+        what: str,
+        code: grpc.StatusCode | str,
+        elapsed_s: float,
+        request: Any,
+        details: str = "",
     ) -> None:
-        self.codes[f"{what}:{code.name}"] += 1
+        self.codes[f"{what}:{code if isinstance(code, str) else code.name}"] += 1
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             self.refusals[f"{what}:{details.split(':', 1)[0][:40]}"] += 1
         if code in FORBIDDEN:
@@ -111,7 +116,14 @@ class Tally:
             self.problems.append(f"{what} answered after {elapsed_s:.1f}s: {request!r:.400}")
 
 
-Outcome = tuple[grpc.StatusCode, str]  # code, details
+Outcome = tuple[grpc.StatusCode | str, str]  # code (or CLIENT_WRITE_RACE), details
+# grpcio's aio client turns a write that races the server's early answer into its own
+# INTERNAL "Internal error from Core" and drops the status the server sent (the write fails
+# inside the client library, grpc/aio/_call.py _write -> set_internal_error). Such an outcome
+# says nothing about the server; it is tallied under this name. A server-sent INTERNAL
+# carries the server's own details and stays a problem.
+CLIENT_WRITE_RACE = "CLIENT_WRITE_RACE"
+CORE_INTERNAL = "Internal error from Core"
 
 
 async def unary(call: Callable[..., Any], request: Any) -> tuple[Outcome, Any]:
@@ -126,16 +138,23 @@ async def client_stream(method: Any, requests: list[Any]) -> Outcome:
     grpcio reports a write that raced the server's early answer as its own INTERNAL
     'Failed execute_batch', hiding the status the server sent.)"""
     call = method(timeout=CALL_TIMEOUT_S)
+    write_failed = False
     try:
         for request in requests:
             await call.write(request)
         await call.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass  # the server answered before reading everything; its status follows
+        write_failed = True  # the server answered before reading everything
     try:
         await call
         return grpc.StatusCode.OK, ""
     except grpc.aio.AioRpcError as exc:
+        if (
+            write_failed
+            and exc.code() is grpc.StatusCode.INTERNAL
+            and exc.details() == CORE_INTERNAL
+        ):
+            return CLIENT_WRITE_RACE, exc.details()
         return exc.code(), exc.details() or ""
 
 
