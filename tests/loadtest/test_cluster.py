@@ -22,7 +22,10 @@ def test_pinned_runs_on_the_named_cpus_with_as_many_threads() -> None:
 def test_specs_describe_the_topology() -> None:
     spec = ClusterSpec(prefill_cpus=("0",), decode_cpus=("1", None), prefix_caching=False)
     assert spec.describe() == "prefill-0@cpu0 decode-0@cpu1 decode-1 no-prefix-caching"
-    assert GatewaySpec(0.0, 99).describe() == "gateway(overlap_weight=0, local_prefill_tokens=99)"
+    assert (
+        GatewaySpec(0.0, 99).describe()
+        == "gateway(routing_policy=prefix-aware, overlap_weight=0, local_prefill_tokens=99)"
+    )
 
 
 def test_scenario_command_parses_and_runs_the_named_scenarios(

@@ -119,9 +119,10 @@ async def start_decoder(
     return Decoder(runtime, decode_pb2_grpc.DecodeServiceStub(channel))
 
 
-async def reference(decoder: Decoder) -> list[int]:
-    """The undisturbed run: the decode worker prefills the prompt itself."""
-    return await decoder.run(request("r-reference", local_prefill=True))
+async def reference(decoder: Decoder, cache_salt: str = "") -> list[int]:
+    """The undisturbed run: the decode worker prefills the prompt itself (and writes its full
+    blocks behind to the store, when there is one, under ``cache_salt``)."""
+    return await decoder.run(request("r-reference", local_prefill=True, cache_salt=cache_salt))
 
 
 async def close_all(cleanup: list[Callable[[], Awaitable[Any]]]) -> None:
@@ -193,7 +194,9 @@ def test_dead_producer_and_nothing_stored_recomputes(tiny_dir: Path, with_store:
                 cleanup.append(store.stop)
                 store_address = f"127.0.0.1:{store.port}"
             decoder = await start_decoder(tiny_dir, store_address, cleanup)
-            expected = await reference(decoder)
+            # Under another salt, so the blocks it writes behind are not the prompt's: the
+            # store lacks them (greedy tokens do not depend on the salt).
+            expected = await reference(decoder, cache_salt="reference-only")
             await decoder.runtime.loop.call(lambda e: e.kv.pool.evict_all_cached())
             handle = handle_for(decoder.runtime, dead_address(), "lease-x")
             got = await decoder.run(
