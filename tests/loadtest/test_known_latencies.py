@@ -23,7 +23,9 @@ from tests.loadtest.fakes import FAIL_MIDWAY_TOKEN, FAIL_TOKEN, Script, grpc_gat
 # Sleeps overshoot on a busy machine, never undershoot: each reported latency must lie in
 # [scripted, scripted + SLACK_S], and the run's median within MEDIAN_SLACK_MS of the script.
 SLACK_S = 0.25
-MEDIAN_SLACK_MS = 40.0
+MEDIAN_SLACK_MS = (
+    80.0  # a loaded 2-core CI box adds tens of ms; a wrong definition is off by a gap (100 ms+)
+)
 
 
 def run(body: Callable[[], Awaitable[Any]]) -> Any:
@@ -101,7 +103,7 @@ def test_grpc_backend_reports_scripted_latencies_with_multi_token_chunks() -> No
     m = calculate_metrics(outcome.outputs, outcome.duration_s)
     assert (m["completed"], m["failed"]) == (3, 2)
     assert m["error_codes"] == {"INTERNAL": 1, "RESOURCE_EXHAUSTED": 1}
-    assert 50.0 - 1 <= m["median_tpot_ms"] <= 50.0 + MEDIAN_SLACK_MS / 4
+    assert 50.0 - 1 <= m["median_tpot_ms"] <= 50.0 + 10.0
     assert 100.0 - 2 <= m["median_itl_ms"] <= 100.0 + MEDIAN_SLACK_MS
     assert 200.0 - 2 <= m["median_ttft_ms"] <= 200.0 + MEDIAN_SLACK_MS
     # What went over the wire: the exact prompt ids, greedy, exact length, the salt.
