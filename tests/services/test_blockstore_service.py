@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -37,6 +35,7 @@ from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
 from services.blockstore.config import BlockStoreConfig
 from services.blockstore.server import BlockStoreProcess, start
 from services.blockstore.servicer import SERVICE_NAME
+from tests.redis_server import redis_server
 
 # [n, L=2, 2, S=4, Hkv=2, D=8] bfloat16: 512 bytes a block
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
@@ -487,42 +486,8 @@ def _free_port() -> int:
 
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
-    process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", port), timeout=0.2),
-            ):
-                break
-            if time.monotonic() > deadline or process.poll() is not None:
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
