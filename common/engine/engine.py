@@ -84,6 +84,7 @@ class EngineStats:
     num_held: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    num_pending_tokens: int = 0  # tokens still to compute, queued or running
 
 
 class Engine:
@@ -336,4 +337,5 @@ class Engine:
             num_held=len(self.held),
             prefix_cache_hit_rate=self.kv.prefix_hit_rate,
             num_preemptions=self.num_preemptions,
+            num_pending_tokens=self.scheduler.pending_tokens,
         )

@@ -74,6 +74,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens still to compute for the queued and running requests (a waiting request
+        counts in full: its cache hit is only known once it is admitted)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in (*self.waiting, *self.running))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []

@@ -26,6 +26,8 @@ class WorkerInfo:
     pid: int = 0  # on the process's own host; 0 = unknown
     # Asked to stop and draining: admits nothing new, so routers skip it.
     draining: bool = False
+    # Tokens queued or mid-computation on the worker: what a new prompt waits behind.
+    num_pending_tokens: int = 0
 
     def to_redis(self) -> dict[str, str]:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}

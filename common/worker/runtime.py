@@ -274,6 +274,7 @@ class WorkerRuntime:
                 num_kv_blocks_free=stats.num_kv_blocks_free,
                 num_running=stats.num_running,
                 num_waiting=stats.num_waiting,
+                num_pending_tokens=stats.num_pending_tokens,
                 prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                 max_model_len=self.engine.max_model_len,
                 pid=os.getpid(),
@@ -309,6 +310,7 @@ class WorkerRuntime:
             raise
         self.metrics.index_republished(len(hashes))
         log.info("published the %d blocks held here to the prefix index", len(hashes))
+
     # -- expert load (MoE) ----------------------------------------------------------------------
 
     async def publish_expert_load(self) -> None:

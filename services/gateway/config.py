@@ -24,7 +24,8 @@ class GatewayConfig:
     max_model_len: int | None = None
     # Prompts whose uncached part is shorter than this are prefilled on the decode worker.
     local_prefill_tokens: int = 16
-    # One block of prefix overlap is worth this much queued load when picking a prefill worker.
+    # A cached prompt token is worth this many tokens of queued work when picking a prefill
+    # worker (services/gateway/routing.py).
     overlap_weight: float = 1.0
     routing_policy: str = "prefix-aware"  # or "load", "round-robin" (baselines)
     # Admission (services/gateway/admission.py): beyond a bound, RESOURCE_EXHAUSTED at once.
@@ -45,6 +46,11 @@ class GatewayConfig:
     # Per-hop limit of a prefill call (0 = only the client's deadline): past it the prompt
     # moves to another prefill worker, or to the decode worker when none is left.
     prefill_timeout_s: float = 60.0
+    # Per-hop limit of a decode stream's silence (0 = only the client's deadline): a Decode
+    # call that sends nothing for this long (a hung worker) breaks, and the request
+    # migrates. The first message may take --prefill-timeout-s longer (the worker may be
+    # prefilling or pulling the KV).
+    decode_stall_timeout_s: float = 30.0
     # A worker failing this many calls in a row gets none for breaker_cooldown_s; then one
     # probe call per cool-down until one succeeds.
     breaker_failure_threshold: int = 3
@@ -75,6 +81,10 @@ class GatewayConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_timeout_s < 0:
             raise ValueError(f"prefill_timeout_s must be >= 0, got {self.prefill_timeout_s}")
+        if self.decode_stall_timeout_s < 0:
+            raise ValueError(
+                f"decode_stall_timeout_s must be >= 0, got {self.decode_stall_timeout_s}"
+            )
         if self.breaker_failure_threshold < 1:
             raise ValueError("breaker_failure_threshold must be >= 1")
         if self.breaker_cooldown_s <= 0:

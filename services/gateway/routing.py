@@ -1,7 +1,12 @@
 """Routing: which prefill worker (if any) and which decode worker serve a request.
 
-Prefill: the highest ``overlap_weight * leading cached blocks - load``, where load counts
-the worker's queued requests (registry) and this gateway's calls in flight to it.
+Prefill: the worker where the prompt's first token comes soonest, counted in tokens of
+work: the highest ``overlap_weight * cached prompt tokens - load``, where load is the
+tokens already waiting there (the more of the worker's own heartbeat figure and this
+gateway's prefill calls in flight to it) plus the whole prompt. With weight 1 the score is
+minus the tokens the worker must compute before this prompt's first token, so a cached
+prefix wins until the queue behind it costs more than the prefix saves: requests sharing a
+prefix do not all pile onto one worker.
 Decode: the fewest running sequences (plus in-flight calls), then the most free blocks.
 Conditional disaggregation: when what a decode worker would have to compute itself (the
 prompt minus its cached prefix) is under ``local_prefill_tokens``, or no prefill worker is
@@ -65,7 +70,9 @@ class Router:
         self.local_prefill_tokens = local_prefill_tokens
         self.overlap_weight = overlap_weight
         self.policy = policy
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # calls in flight per worker
+        # Prompt tokens to compute in this gateway's prefill calls in flight, per worker.
+        self.in_flight_tokens: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()  # round-robin position per role
 
     def _next_in_turn(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
@@ -107,25 +114,38 @@ class Router:
                 reason = LOCAL_PREFILL_CACHED if cached_tokens else LOCAL_PREFILL_SHORT
             return Route(target, None, overlap.get(target.worker_id, 0), reason)
 
-        prefill = self.best_prefill(request_id, overlap, prefills)
+        prefill = self.best_prefill(request_id, prompt_len, overlap, prefills)
         overlap_blocks = overlap.get(prefill.worker_id, 0)
         reason = PREFIX_OVERLAP if overlap_blocks else LOAD
         return Route(min(decodes, key=decode_key), prefill, overlap_blocks, reason)
 
     def best_prefill(
-        self, request_id: str, overlap: dict[str, int], prefills: list[WorkerInfo]
+        self,
+        request_id: str,
+        prompt_len: int,
+        overlap: dict[str, int],
+        prefills: list[WorkerInfo],
     ) -> WorkerInfo:
-        """The prefill worker with the highest ``overlap_weight * overlap - load``; also
-        where a request goes next when its prefill worker failed (``prefills`` without it)."""
+        """The prefill worker with the highest ``overlap_weight * cached tokens - load``
+        (module docstring); also where a request goes next when its prefill worker failed
+        (``prefills`` without it)."""
 
         def prefill_score(w: WorkerInfo) -> tuple[float, int]:
-            load = w.num_waiting + self.in_flight[w.worker_id]
-            return (
-                self.overlap_weight * overlap.get(w.worker_id, 0) - load,
-                -_tiebreak(request_id, w),
-            )
+            cached = self.cached_tokens(prompt_len, overlap, w)
+            load = self.pending_tokens(w) + prompt_len
+            return (self.overlap_weight * cached - load, -_tiebreak(request_id, w))
 
         return max(prefills, key=prefill_score)
+
+    def cached_tokens(self, prompt_len: int, overlap: dict[str, int], w: WorkerInfo) -> int:
+        """Prompt tokens the index says ``w`` holds (the last token is always computed)."""
+        return min(overlap.get(w.worker_id, 0) * self.block_size, max(prompt_len - 1, 0))
+
+    def pending_tokens(self, w: WorkerInfo) -> int:
+        """Tokens queued on ``w`` ahead of a new prompt. The worker's heartbeat counts every
+        gateway's work but is up to an interval old; this gateway's own calls are counted
+        the moment they start. The larger of the two is the estimate."""
+        return max(w.num_pending_tokens, self.in_flight_tokens[w.worker_id])
 
     def choose_decode(self, request_id: str, decodes: list[WorkerInfo]) -> WorkerInfo:
         """The decode worker that continues a request elsewhere (migration): the least

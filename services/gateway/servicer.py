@@ -116,6 +116,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             self.model,
             config.max_migrations,
             self.breakers,
+            stall_timeout_s=config.decode_stall_timeout_s,
+            first_message_extra_s=config.prefill_timeout_s,
         )
         self.gateway_id = gateway_id
         self.address = address
@@ -371,7 +373,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tried: set[str] = set()
         while worker is not None:
             try:
-                return await self._prefill(worker, relay, sampling, salt, context)
+                return await self._prefill(worker, overlap, relay, sampling, salt, context)
             except _PrefillFailed as failure:
                 tried.add(worker.worker_id)
                 failed = worker
@@ -381,7 +383,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     if w.worker_id not in tried
                 ]
                 worker = (
-                    self.router.best_prefill(relay.request_id, overlap, candidates)
+                    self.router.best_prefill(
+                        relay.request_id, len(relay.prompt), overlap, candidates
+                    )
                     if candidates
                     else None
                 )
@@ -413,6 +417,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _prefill(
         self,
         worker: WorkerInfo,
+        overlap: dict[str, int],
         relay: Relay,
         sampling: SamplingParams,
         salt: str | None,
@@ -431,7 +436,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling.to_pb(request.sampling)
         channel = self.channels.get(worker.address)
         stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        # The tokens this call makes the worker compute, as routing estimated them.
+        work = len(relay.prompt) - self.router.cached_tokens(len(relay.prompt), overlap, worker)
         self.router.in_flight[worker.worker_id] += 1
+        self.router.in_flight_tokens[worker.worker_id] += work
         relay.queue_ms = (time.monotonic() - relay.arrival) * 1000
         hop = self.config.prefill_timeout_s or None
         left = remaining_timeout(context)
@@ -467,6 +475,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise
             finally:
                 self.router.in_flight[worker.worker_id] -= 1
+                self.router.in_flight_tokens[worker.worker_id] -= work
             self.breakers.success(worker.worker_id)
             span.span.set_attributes(
                 {

@@ -11,9 +11,16 @@ from services.gateway.routing import Router
 
 
 def worker(
-    worker_id: str, role: str, running: int = 0, waiting: int = 0, free: int = 100
+    worker_id: str,
+    role: str,
+    running: int = 0,
+    waiting: int = 0,
+    free: int = 100,
+    pending_tokens: int = 0,
 ) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, f"{worker_id}:1", "m", 100, free, running, waiting)
+    info = WorkerInfo(worker_id, role, f"{worker_id}:1", "m", 100, free, running, waiting)
+    info.num_pending_tokens = pending_tokens
+    return info
 
 
 def test_prefix_overlap_counts_leading_blocks_without_gaps() -> None:
@@ -39,10 +46,49 @@ def test_prefill_goes_to_the_worker_holding_the_prefix() -> None:
 
 def test_load_outweighs_a_small_overlap() -> None:
     router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
-    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=5)]
+    # p1 holds 32 of the 400 tokens but has 500 queued: p0 starts sooner.
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=1, pending_tokens=500)]
     route = router.choose("r", 400, {"p1": 2}, prefills, [worker("d0", "decode")])
     assert route.prefill is not None and route.prefill.worker_id == "p0"
     assert route.reason == "load"
+    # With 20 tokens queued the 32 cached ones win.
+    prefills[1].num_pending_tokens = 20
+    route = router.choose("r", 400, {"p1": 2}, prefills, [worker("d0", "decode")])
+    assert route.prefill is not None and route.prefill.worker_id == "p1"
+
+
+def test_requests_sharing_a_prefix_spread_once_its_holder_is_busier_than_it_saves() -> None:
+    """The score is tokens of work: a 512-token prefix held by p1 is worth 512 tokens of
+    queue there, no more. Requests pile onto p1 while their queued suffixes and prompts
+    cost less than recomputing the prefix on p0, then spill over."""
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill")]
+    decodes = [worker("d0", "decode")]
+    chosen = []
+    for i in range(6):
+        route = router.choose(f"r{i}", 544, {"p1": 32}, prefills, decodes)
+        assert route.prefill is not None
+        chosen.append(route.prefill.worker_id)
+        # Start the call as the servicer does: its work is what p1 would not have cached.
+        cached = router.cached_tokens(544, {"p1": 32}, route.prefill)
+        router.in_flight_tokens[route.prefill.worker_id] += 544 - cached
+    # p1 computes 32 per request; p0 544. p1 takes requests until 32 * k > 512, p0 then
+    # takes one, and so on. With 6 calls in flight none has finished: p1 gets them all.
+    assert chosen == ["p1"] * 6
+    router.in_flight_tokens["p1"] = 600  # a long unrelated prompt queued on p1
+    route = router.choose("r-next", 544, {"p1": 32}, prefills, decodes)
+    assert route.prefill is not None and route.prefill.worker_id == "p0"
+
+
+def test_pending_tokens_take_the_larger_of_heartbeat_and_calls_in_flight() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    w = worker("p0", "prefill", pending_tokens=300)
+    assert router.pending_tokens(w) == 300
+    router.in_flight_tokens["p0"] = 500  # sent since the last heartbeat
+    assert router.pending_tokens(w) == 500
+    # The last token of a fully cached prompt is computed all the same.
+    assert router.cached_tokens(64, {"p0": 4}, w) == 63
+    assert router.cached_tokens(100, {"p0": 4}, w) == 64
 
 
 def test_ties_spread_across_workers() -> None:
@@ -112,7 +158,7 @@ def test_round_robin_takes_each_role_in_turn_blind_to_index_and_load() -> None:
 
 def test_load_policy_ignores_the_prefix_index() -> None:
     router = Router(16, 16, 1.0, policy="load")
-    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=1)]
+    prefills = [worker("p0", "prefill"), worker("p1", "prefill", waiting=1, pending_tokens=16)]
     route = router.choose("r", 400, {"p1": 20}, prefills, [worker("d0", "decode")])
     assert route.prefill is not None and route.prefill.worker_id == "p0"
     assert route.reason == "load"
