@@ -53,6 +53,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "deadline only",
     )
     parser.add_argument(
+        "--decode-stall-timeout-s",
+        type=float,
+        default=30.0,
+        help="a decode stream silent this long (a hung worker) breaks and the request "
+        "migrates to another decode worker; the first token may take --prefill-timeout-s "
+        "longer; 0 = the client's deadline only",
+    )
+    parser.add_argument(
         "--breaker-failures",
         type=int,
         default=3,
@@ -151,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         routing_policy=args.routing_policy,
         max_in_flight=args.max_in_flight,
         prefill_timeout_s=args.prefill_timeout_s,
+        decode_stall_timeout_s=args.decode_stall_timeout_s,
         breaker_failure_threshold=args.breaker_failures,
         breaker_cooldown_s=args.breaker_cooldown_s,
         max_in_flight_per_tenant=args.max_in_flight_per_tenant,

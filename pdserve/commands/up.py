@@ -113,6 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--local-prefill-tokens", type=int, default=None)
     failures = up.add_argument_group("failure handling (see pdserve gateway|decode --help)")
     failures.add_argument("--prefill-timeout-s", type=float, default=None, help="gateway")
+    failures.add_argument("--decode-stall-timeout-s", type=float, default=None, help="gateway")
     failures.add_argument("--breaker-failures", type=int, default=None, help="gateway")
     failures.add_argument("--breaker-cooldown-s", type=float, default=None, help="gateway")
     failures.add_argument(
@@ -160,7 +161,8 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
 
 # Failure handling: gateway, every worker, decode workers.
 _FAILOVER_FLAGS = (
-    "prefill_timeout_s", "breaker_failures", "breaker_cooldown_s", "drain_grace_s",
+    "prefill_timeout_s", "decode_stall_timeout_s", "breaker_failures", "breaker_cooldown_s",
+    "drain_grace_s",
 )  # fmt: skip
 _WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s", "drain_grace_s")
 _DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")

@@ -26,7 +26,13 @@ from pdserve.gateway.v1 import gateway_pb2
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import WorkerBreakers
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import Migrations, StreamBroken, broken_reason, continuation
+from services.gateway.migration import (
+    STALLED,
+    Migrations,
+    StreamBroken,
+    broken_reason,
+    continuation,
+)
 from services.gateway.relay import Relay
 from services.gateway.routing import Router
 
@@ -55,8 +61,13 @@ class DecodeStreamer:
         model: str,
         max_migrations: int,
         breakers: WorkerBreakers,
+        stall_timeout_s: float = 0.0,
+        first_message_extra_s: float = 0.0,
     ) -> None:
         self.breakers = breakers
+        # Silence that breaks a stream (0 = none); the first message gets the extra too.
+        self.stall_timeout_s = stall_timeout_s
+        self.first_message_extra_s = first_message_extra_s
         self.router = router
         self.directory = directory
         self.channels = channels
@@ -131,7 +142,10 @@ class DecodeStreamer:
             stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
             dispatched_ms = (time.monotonic() - relay.arrival) * 1000
             call = stub.Decode(request, timeout=remaining_timeout(context), metadata=span.metadata)
-            async for message in call:
+            while True:
+                message = await self._next_message(call, worker, attempt)
+                if message is grpc.aio.EOF:
+                    break
                 if not attempt.started:
                     attempt.started = True
                     self.breakers.success(decode_id)
@@ -179,6 +193,27 @@ class DecodeStreamer:
             self.router.in_flight[decode_id] -= 1
             if call is not None and not call.done():
                 call.cancel()
+
+    async def _next_message(
+        self, call: Any, worker: WorkerInfo, attempt: _Attempt
+    ) -> decode_pb2.DecodeResponse | Any:
+        """The call's next message (or grpc.aio.EOF). Raises StreamBroken when the worker
+        stays silent past the stall timeout: a hung process keeps its connection open, so
+        only silence tells."""
+        if not self.stall_timeout_s:
+            return await call.read()
+        limit = self.stall_timeout_s + (0.0 if attempt.started else self.first_message_extra_s)
+        try:
+            return await asyncio.wait_for(call.read(), limit)
+        except TimeoutError:
+            self.breakers.failure(worker.worker_id)
+            raise StreamBroken(
+                STALLED,
+                UnavailableError(
+                    f"decode worker {worker.worker_id} sent nothing for {limit:g} s "
+                    "(--decode-stall-timeout-s)"
+                ),
+            ) from None
 
     async def _migrate(
         self,

@@ -1,7 +1,9 @@
 """Migration (lifecycle step 7): a decode stream that breaks mid-way continues on another
 decode worker, and the client sees one stream.
 
-A stream is broken, and the request may migrate, when the Decode call ends with
+A stream is broken, and the request may migrate, when the worker goes silent (no message
+for ``--decode-stall-timeout-s``, and ``--prefill-timeout-s`` more before the first: a hung
+process, say SIGSTOPped, whose connection stays open), or when the Decode call ends with
 UNAVAILABLE (the worker died, the connection reset, or the worker is draining), CANCELLED
 (not by us: our own cancellation never reaches here), UNKNOWN, INTERNAL or ABORTED, or
 ends OK without a final message; also with NOT_FOUND when the call carried a KV handle
@@ -33,6 +35,7 @@ from pdserve.decode.v1 import decode_pb2
 STREAM_ENDED = "stream_ended"  # the call ended OK without a final message
 KV_NOT_FOUND = "kv_not_found"  # the KV handle's blocks are gone: recompute instead
 DRAINING = "draining"  # the worker's drain grace period ended
+STALLED = "stalled"  # no message within the stall timeout: the worker hangs
 REASONS = (
     "unavailable",
     DRAINING,
@@ -42,6 +45,7 @@ REASONS = (
     "aborted",
     STREAM_ENDED,
     KV_NOT_FOUND,
+    STALLED,
 )
 
 _BROKEN_CODES = frozenset(

@@ -4,6 +4,9 @@ workers, gateway, all processes) under a steady load of concurrent streams:
 - SIGSTOP a prefill worker (a hang, not a crash): its requests move on to the other prefill
   worker (or the decode worker) within --prefill-timeout-s; nothing fails; once SIGCONT'd it
   heartbeats again, and after a probe gets traffic again;
+- SIGSTOP a decode worker: its streams go silent with their connections open; past
+  --decode-stall-timeout-s each migrates to the other decode worker, and nothing fails;
+  once SIGCONT'd the hung worker frees what the abandoned streams held and serves again;
 - SIGKILL Redis, then start it again (empty) on its port: nothing fails while routing goes by
   load (``pdserve status`` and ``pdserve:index_available`` say so), the workers and the block
   store rebuild the index, and routing uses it again (a prompt cached before the outage is
@@ -47,6 +50,7 @@ from tests.prompts import QUESTIONS, passage
 pytestmark = pytest.mark.slow
 
 PREFILL_TIMEOUT_S = 3.0
+DECODE_STALL_TIMEOUT_S = 4.0
 BREAKER_FAILURES = 2
 BREAKER_COOLDOWN_S = 2.0
 REGISTRY_TTL_S = 5.0  # a worker heartbeats every second; its entry lives 5
@@ -106,6 +110,7 @@ def chaos(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "up", "--detach", "--port", str(port), "--prefill", "2", "--decode", "2",
         "--model", str(smollm_dir), "--kv-cache-memory", "160MiB",
         "--prefill-timeout-s", str(PREFILL_TIMEOUT_S), "--kv-pull-timeout-s", "3",
+        "--decode-stall-timeout-s", str(DECODE_STALL_TIMEOUT_S),
         "--blockstore-timeout-s", "1", "--breaker-failures", str(BREAKER_FAILURES),
         "--breaker-cooldown-s", str(BREAKER_COOLDOWN_S),
         timeout=900,
@@ -335,6 +340,41 @@ def test_a_hung_prefill_worker_loses_no_request(chaos: ChaosStack) -> None:
         return request_count(chaos, "prefill-1") > served
 
     wait_for("prefill-1 serving requests again", rejoined, timeout_s=40)
+    assert_settled(chaos, dead=set())
+
+
+def test_a_hung_decode_worker_loses_no_request(chaos: ChaosStack) -> None:
+    assert_settled(chaos, dead=set())
+    stalled = gateway_counter(chaos, "pdserve:request_migrations_total", reason="stalled")
+    load, hit = asyncio.run(
+        under_load(chaos, lambda: chaos.kill("decode-1", signal.SIGSTOP), 3.0, REGISTRY_TTL_S + 3)
+    )
+    assert load.failures() == []
+    assert len(load.started_after(hit)) >= LANES
+    # The streams on it (and those routed to it before its entry expired) went silent and
+    # moved on: no request waited much beyond the stall limit for a token.
+    migrated = gateway_counter(chaos, "pdserve:request_migrations_total", reason="stalled")
+    assert migrated > stalled, "no stream on the hung decode worker migrated"
+    longest = max(o.total_s for o in load.outcomes)
+    bound = DECODE_STALL_TIMEOUT_S + PREFILL_TIMEOUT_S + 30
+    assert longest < bound, f"a request took {longest:.1f} s"
+    stopped = chaos.child("decode-1").address
+    wait_for(
+        "decode-1 out of the registry",
+        lambda: stopped not in {w["address"] for w in chaos.workers()},
+        timeout_s=REGISTRY_TTL_S + 5,
+    )
+
+    chaos.kill("decode-1", signal.SIGCONT)
+    # Woken, it finds its streams cancelled and frees their blocks; it serves again.
+    assert_settled(chaos, dead=set())
+    served = request_count(chaos, "decode-1")
+
+    def rejoined() -> bool:
+        asyncio.run(one(chaos.target, prompt=passage(2), cache_salt=f"rejoin-{uuid.uuid4().hex}"))
+        return request_count(chaos, "decode-1") > served
+
+    wait_for("decode-1 serving requests again", rejoined, timeout_s=40)
     assert_settled(chaos, dead=set())
 
 

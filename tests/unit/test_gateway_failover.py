@@ -3,6 +3,8 @@
 - a prefill worker that is unreachable, resets or hangs past --prefill-timeout-s: the prompt
   moves to another prefill worker, else to the decode worker (local prefill); a hung one's
   lease is released once it answers;
+- a decode worker that hangs mid-stream (its connection open, nothing sent) past
+  --decode-stall-timeout-s: the request migrates to another decode worker, no token lost;
 - a worker failing repeatedly: its circuit breaker opens (no calls for the cool-down), one
   probe after it, closed again by the probe's success; the metrics and GetClusterStatus say so;
 - Redis (index and registry) down: requests keep flowing, routed by load on the last known
@@ -79,13 +81,21 @@ class FakePrefill(
 
 @dataclass
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """mode: ok | hang (sends one token, then nothing, the connection open) | hang-first
+    (sends nothing)."""
+
     worker_id: str
+    mode: str = "ok"
     requests: list[Any] = field(default_factory=list)
 
     async def Decode(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         self.requests.append(request)
-        tokens = DECODED if request.HasField("kv_handle") else [FIRST_TOKEN, *DECODED]
+        # The tokens after those the request already carries (a prefill's first token, or
+        # every token sent before a migration).
+        tokens = [FIRST_TOKEN, *DECODED][len(request.generated_token_ids) :]
         for i, token in enumerate(tokens):
+            if (self.mode, i) in (("hang", 1), ("hang-first", 0)):
+                await asyncio.sleep(3600)
             last = i == len(tokens) - 1
             yield decode_pb2.DecodeResponse(
                 token_ids=[token],
@@ -121,7 +131,8 @@ class Cluster:
     gateway: GatewayServicer
     stub: gateway_pb2_grpc.GatewayServiceStub
     prefills: dict[str, FakePrefill]
-    decode: FakeDecode
+    decode: FakeDecode  # the first of decodes
+    decodes: dict[str, FakeDecode]
     registry: FakeRegistry
     index: FakeIndex
 
@@ -158,6 +169,8 @@ def run_cluster(
     prefill_modes: dict[str, str],
     body: Callable[[Cluster], Awaitable[None]],
     index_retry_s: float = 1.0,
+    decode_workers: tuple[WorkerInfo, ...] = (WorkerInfo("d0", "decode", ""),),
+    decode_modes: dict[str, str] | None = None,
     **config: Any,
 ) -> None:
     async def main() -> None:
@@ -176,12 +189,18 @@ def run_cluster(
             fake.address = f"127.0.0.1:{server.port}"
             prefills[worker_id] = fake
             workers.append(WorkerInfo(worker_id, "prefill", fake.address, smollm_dir.name))
-        decode = FakeDecode("d0")
-        server = await _serve(
-            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, s)
-        )
-        servers.append(server)
-        workers.append(WorkerInfo("d0", "decode", f"127.0.0.1:{server.port}", smollm_dir.name))
+        decodes: dict[str, FakeDecode] = {}
+        for info in decode_workers:
+            fake_decode = FakeDecode(info.worker_id, (decode_modes or {}).get(info.worker_id, "ok"))
+            server = await _serve(
+                lambda s, fake_decode=fake_decode: (
+                    decode_pb2_grpc.add_DecodeServiceServicer_to_server(fake_decode, s)
+                )
+            )
+            servers.append(server)
+            decodes[info.worker_id] = fake_decode
+            info.address, info.model = f"127.0.0.1:{server.port}", smollm_dir.name
+            workers.append(info)
 
         gateway_config = GatewayConfig(model=str(smollm_dir), redis_url="redis://unused", **config)
         metrics = GatewayMetrics(CollectorRegistry(), gateway_config.served_model_name)
@@ -209,7 +228,8 @@ def run_cluster(
                 gateway,
                 gateway_pb2_grpc.GatewayServiceStub(channel),
                 prefills,
-                decode,
+                next(iter(decodes.values())),
+                decodes,
                 registry,
                 index,
             )
@@ -340,3 +360,67 @@ def test_an_answer_about_the_request_is_not_a_failover(smollm_dir: Path) -> None
         assert cluster.prefills["p0"].released == []  # it answered: nothing to release
 
     run_cluster(smollm_dir, {"p0": "invalid", "p1": "ok"}, body)
+
+
+def test_a_hung_decode_worker_breaks_its_stream_and_the_request_migrates(
+    smollm_dir: Path,
+) -> None:
+    """A decode worker that stops sending mid-stream (a SIGSTOPped process keeps its
+    connection open) is given --decode-stall-timeout-s; then the request continues on the
+    other decode worker with every token sent so far, and the client sees one stream."""
+
+    async def body(cluster: Cluster) -> None:
+        hung, good = cluster.decodes["d-hung"], cluster.decodes["d-ok"]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await cluster.generate() == [FIRST_TOKEN, *DECODED]
+        assert 0.5 <= loop.time() - start < 5  # the stall timeout, then the other worker
+        (first,) = hung.requests
+        (continued,) = good.requests
+        assert list(first.generated_token_ids) == [FIRST_TOKEN]  # the prefill's token
+        assert continued.local_prefill
+        assert list(continued.generated_token_ids) == [FIRST_TOKEN, DECODED[0]]
+        assert cluster.metric("pdserve:request_migrations_total", reason="stalled") == 1
+        assert cluster.metric("pdserve:request_migrations_total", reason="unavailable") == 0
+
+    run_cluster(
+        smollm_dir,
+        {"p0": "ok"},
+        body,
+        # d-ok looks busier, so the first choice is d-hung.
+        decode_workers=(
+            WorkerInfo("d-hung", "decode", ""),
+            WorkerInfo("d-ok", "decode", "", num_running=5),
+        ),
+        decode_modes={"d-hung": "hang"},
+        decode_stall_timeout_s=0.5,
+        prefill_timeout_s=1.0,
+    )
+
+
+def test_a_slow_first_token_gets_the_prefill_timeout_on_top_of_the_stall_timeout(
+    smollm_dir: Path,
+) -> None:
+    """The first message may come --prefill-timeout-s later than later ones (the decode
+    worker may be prefilling): a worker that hangs before its first token breaks only
+    after both."""
+
+    async def body(cluster: Cluster) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await cluster.generate() == [FIRST_TOKEN, *DECODED]
+        assert 1.5 <= loop.time() - start < 6
+        assert cluster.metric("pdserve:request_migrations_total", reason="stalled") == 1
+
+    run_cluster(
+        smollm_dir,
+        {},  # no prefill worker: the decode worker prefills, and hangs before any token
+        body,
+        decode_workers=(
+            WorkerInfo("d-hung", "decode", ""),
+            WorkerInfo("d-ok", "decode", "", num_running=5),
+        ),
+        decode_modes={"d-hung": "hang-first"},
+        decode_stall_timeout_s=0.5,
+        prefill_timeout_s=1.0,
+    )
