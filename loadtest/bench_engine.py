@@ -46,9 +46,7 @@ def run_pdserve(engine: Engine, work: list[tuple[list[int], int]]) -> tuple[floa
     return time.perf_counter() - start, produced
 
 
-def run_hf(
-    model: Any, work: list[tuple[list[int], int]], batch_size: int
-) -> tuple[float, int]:
+def run_hf(model: Any, work: list[tuple[list[int], int]], batch_size: int) -> tuple[float, int]:
     start = time.perf_counter()
     useful = 0
     for b in range(0, len(work), batch_size):

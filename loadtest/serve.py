@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name sent over HTTP")
     parser.add_argument("--tokenizer", default=None, help="directory holding tokenizer.json")
     parser.add_argument("--label", default=None, help="names the run (default: the backend)")
+    auth = parser.add_argument_group("authentication")
+    auth.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'authorization: Bearer KEY' (env PDSERVE_API_KEY, else OPENAI_API_KEY)",
+    )
+    auth.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more header (HTTP) or metadata entry (gRPC) on every request; repeatable",
+    )
+    auth.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PDSERVE_GATEWAY_CA"),
+        help="pdserve backend: PEM CA of a gateway whose public port serves TLS",
+    )
     add_dataset_args(parser)
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -117,6 +136,17 @@ def tokenizer_dir(args: argparse.Namespace) -> str:
     return str(args.tokenizer) if args.tokenizer else resolve_model(args.model)
 
 
+def headers_of(args: argparse.Namespace) -> dict[str, str]:
+    """``--header KEY=VALUE`` flags as a dict."""
+    headers: dict[str, str] = {}
+    for item in args.header:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--header wants KEY=VALUE, got {item!r}")
+        headers[key.strip()] = value.strip()
+    return headers
+
+
 async def make_backend(args: argparse.Namespace) -> tuple[Backend, int]:
     """The backend and the vocabulary size prompts are drawn from."""
     from tokenizers import Tokenizer
@@ -125,7 +155,9 @@ async def make_backend(args: argparse.Namespace) -> tuple[Backend, int]:
     if args.backend == "pdserve":
         from loadtest.backends.grpc_gateway import GrpcGatewayBackend
 
-        grpc_backend = GrpcGatewayBackend(url)
+        grpc_backend = GrpcGatewayBackend(
+            url, api_key=args.api_key, tls_ca=args.tls_ca, metadata=headers_of(args)
+        )
         await grpc_backend.ready(args.ready_check_timeout_sec)
         if args.tokenizer:
             vocab = Tokenizer.from_file(
@@ -139,8 +171,11 @@ async def make_backend(args: argparse.Namespace) -> tuple[Backend, int]:
     directory = tokenizer_dir(args)
     tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     name = args.served_model_name or args.model or Path(directory).name
+    headers = headers_of(args)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
     http_backend = OpenAIHttpBackend(url, name, chat=args.backend == "openai-chat",
-                                     endpoint=args.endpoint,
+                                     endpoint=args.endpoint, headers=headers,
                                      detokenize=lambda ids: tokenizer.decode(list(ids)))  # fmt: skip
     await http_backend.ready(args.ready_check_timeout_sec)
     return http_backend, tokenizer.get_vocab_size()

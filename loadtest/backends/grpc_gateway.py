@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 
@@ -25,9 +26,26 @@ def grpc_target(base_url: str) -> str:
 class GrpcGatewayBackend(Backend):
     name = "pdserve"
 
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """``api_key``: sent as ``authorization: Bearer KEY``; ``tls_ca``: PEM CA of a
+        gateway whose public port serves TLS; ``metadata``: more headers on every call."""
         self.target = grpc_target(target)
         self.timeout_s = timeout_s
+        headers = {k.lower(): v for k, v in (metadata or {}).items()}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self.metadata = tuple(headers.items())
+        self._credentials = (
+            grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        )
         self._channel: grpc.aio.Channel | None = None
         self._stub: gateway_pb2_grpc.GatewayServiceStub | None = None
 
@@ -35,7 +53,7 @@ class GrpcGatewayBackend(Backend):
     def channel(self) -> grpc.aio.Channel:
         """Created on first use: a grpc.aio channel belongs to the event loop it starts in."""
         if self._channel is None:
-            self._channel = create_channel(self.target)
+            self._channel = create_channel(self.target, self._credentials)
         return self._channel
 
     @property
@@ -52,7 +70,7 @@ class GrpcGatewayBackend(Backend):
 
     async def model_info(self) -> gateway_pb2.GetModelInfoResponse:
         reply: gateway_pb2.GetModelInfoResponse = await self.stub.GetModelInfo(
-            gateway_pb2.GetModelInfoRequest(), timeout=30
+            gateway_pb2.GetModelInfoRequest(), timeout=30, metadata=self.metadata
         )
         return reply
 
@@ -69,7 +87,8 @@ class GrpcGatewayBackend(Backend):
         ).to_pb(message.sampling)
         out.start_time = time.perf_counter()
         try:
-            async for reply in self.stub.Generate(message, timeout=self.timeout_s):
+            call = self.stub.Generate(message, timeout=self.timeout_s, metadata=self.metadata)
+            async for reply in call:
                 now = time.perf_counter()
                 if reply.token_ids:
                     out.add_chunk(now, len(reply.token_ids), reply.text)

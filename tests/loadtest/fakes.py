@@ -37,10 +37,13 @@ def sse(payload: object) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def openai_app(script: Script) -> web.Application:
-    """/v1/completions and /v1/chat/completions, streaming the script's chunks."""
+def openai_app(script: Script, api_key: str | None = None) -> web.Application:
+    """/v1/completions and /v1/chat/completions, streaming the script's chunks; with
+    ``api_key``, a request without ``Authorization: Bearer <api_key>`` gets 401."""
 
     async def stream(request: web.Request) -> web.StreamResponse:
+        if api_key is not None and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "invalid api key"}}, status=401)
         body = await request.json()
         chat = "messages" in body
         # Chat prompts arrive as text: the test's detokenizer writes the ids out as numbers.
@@ -78,8 +81,8 @@ def openai_app(script: Script) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def openai_server(script: Script) -> AsyncIterator[str]:
-    runner = web.AppRunner(openai_app(script))
+async def openai_server(script: Script, api_key: str | None = None) -> AsyncIterator[str]:
+    runner = web.AppRunner(openai_app(script, api_key))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -91,13 +94,25 @@ async def openai_server(script: Script) -> AsyncIterator[str]:
 
 
 class ScriptedGateway(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, script: Script) -> None:
+    """With ``api_key``, calls without ``authorization: Bearer <api_key>`` get
+    UNAUTHENTICATED, as the real gateway answers them."""
+
+    def __init__(self, script: Script, api_key: str | None = None) -> None:
         self.script = script
+        self.api_key = api_key
         self.requests: list[gateway_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each Generate call's
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        self.metadata.append(metadata)
+        if self.api_key is not None and metadata.get("authorization") != f"Bearer {self.api_key}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        await self._authenticate(context)
         self.requests.append(request)
         ids = list(request.token_ids.ids)
         if ids and ids[0] == FAIL_TOKEN:
@@ -121,13 +136,19 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServiceServicer):
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetModelInfoResponse:
+        if self.api_key is not None:
+            metadata = dict(context.invocation_metadata() or ())
+            if metadata.get("authorization") != f"Bearer {self.api_key}":
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
         return gateway_pb2.GetModelInfoResponse(model="fake", vocab_size=49152, block_size=16)
 
 
 @contextlib.asynccontextmanager
-async def grpc_gateway(script: Script) -> AsyncIterator[tuple[str, ScriptedGateway]]:
+async def grpc_gateway(
+    script: Script, api_key: str | None = None
+) -> AsyncIterator[tuple[str, ScriptedGateway]]:
     server = grpc.aio.server()
-    servicer = ScriptedGateway(script)
+    servicer = ScriptedGateway(script, api_key)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

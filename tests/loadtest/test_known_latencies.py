@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from loadtest.backends.base import SendOptions
@@ -18,7 +19,14 @@ from loadtest.datasets.base import SampleRequest
 from loadtest.metrics import calculate_metrics
 from loadtest.runner import LoadConfig, run_load
 from pdserve.commands import bench
-from tests.loadtest.fakes import FAIL_MIDWAY_TOKEN, FAIL_TOKEN, Script, grpc_gateway, openai_server
+from tests.loadtest.fakes import (
+    FAIL_MIDWAY_TOKEN,
+    FAIL_TOKEN,
+    Script,
+    ScriptedGateway,
+    grpc_gateway,
+    openai_server,
+)
 
 # Sleeps overshoot on a busy machine, never undershoot: each reported latency must lie in
 # [scripted, scripted + SLACK_S], and the run's median within MEDIAN_SLACK_MS of the script.
@@ -180,3 +188,55 @@ def test_bench_serve_command_against_the_fake_gateway(tmp_path: Path) -> None:
     assert set(result["categories"]) == {"turn-0", "turn-1"}
     saved = list(tmp_path.glob("pdserve-infqps-default-*.json"))
     assert len(saved) == 1 and "requests" not in json.loads(saved[0].read_text())
+
+
+def _serve_args(backend: str, url: str, *extra: str) -> list[str]:
+    return ["bench", "serve", "--backend", backend, "--base-url", url, "--dataset-name", "random",
+            "--random-input-len", "8", "--random-output-len", "2", "--num-prompts", "3",
+            "--disable-tqdm", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("with_key", [True, False])
+def test_bench_serve_sends_the_api_key_to_the_gateway(with_key: bool) -> None:
+    """--api-key travels as 'authorization: Bearer KEY' with every call (the real gateway
+    answers UNAUTHENTICATED without it), and --header entries go along."""
+    script = Script(ttft_s=0.01, gap_s=0.01, tokens=(1, 1))
+
+    async def body() -> tuple[dict[str, Any], ScriptedGateway]:
+        async with grpc_gateway(script, api_key="k-123") as (target, gateway):
+            flags = ["--api-key", "k-123" if with_key else "wrong", "--header", "x-tenant-hint=a"]
+            from loadtest.serve import run_serve
+
+            args = bench_parser().parse_args(_serve_args("pdserve", target, *flags))
+            if not with_key:
+                # Model info is asked first, with the same (wrong) key.
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await run_serve(args)
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                return {}, gateway
+            return await run_serve(args), gateway
+
+    result, gateway = run(body)
+    if with_key:
+        assert result["completed"] == 3 and result["failed"] == 0
+        assert len(gateway.metadata) == 3
+        assert all(m["authorization"] == "Bearer k-123" for m in gateway.metadata)
+        assert all(m["x-tenant-hint"] == "a" for m in gateway.metadata)
+
+
+def test_bench_serve_sends_the_api_key_over_http(smollm_dir: Path) -> None:
+    script = Script(ttft_s=0.01, gap_s=0.01, tokens=(1, 1))
+
+    async def body(key: str) -> dict[str, Any]:
+        async with openai_server(script, api_key="k-456") as url:
+            from loadtest.serve import run_serve
+
+            args = bench_parser().parse_args(
+                _serve_args("openai", url, "--tokenizer", str(smollm_dir), "--api-key", key)
+            )
+            return await run_serve(args)
+
+    good = run(lambda: body("k-456"))
+    assert good["completed"] == 3 and good["failed"] == 0
+    bad = run(lambda: body("nope"))
+    assert bad["completed"] == 0 and bad["failed"] == 3
