@@ -20,7 +20,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -56,6 +56,9 @@ STORE_FAILURE_THRESHOLD = 2  # consecutive failed block store calls that open it
 STORE_COOLDOWN_S = 5.0  # then no call for this long, then one probe
 BACKGROUND_GRACE_S = 5.0  # what stop() waits for background bookkeeping
 PUT_TIMEOUT_S = 30.0  # a write-through put runs in the background: it may take longer
+# Heartbeats go on with the last engine figures while a step runs, up to this long; an
+# engine silent longer is stuck, and the worker lets its registry entry expire.
+ENGINE_SILENCE_LIMIT_S = 60.0
 _TIMEOUT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
 
 ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
@@ -107,6 +110,10 @@ class WorkerRuntime:
         # next heartbeat that gets through republishes every cached block.
         self._index_stale = False
         self._pending_removals: list[int] = []
+        # The engine's figures for heartbeats: read between engine steps, so a long step
+        # (a big prefill chunk on a busy CPU) must not stop the beat (see heartbeat_once).
+        self._stats_read: asyncio.Future[tuple[EngineStats, list[int]]] | None = None
+        self._last_stats: tuple[EngineStats, float] | None = None  # and when read
         self.redis: Any = None
         self.index: PrefixIndex | None = None
         self.registry: WorkerRegistry | None = None
@@ -249,6 +256,23 @@ class WorkerRuntime:
                 self.metrics.redis.failed("heartbeat")
             await asyncio.sleep(self.config.heartbeat_s)
 
+    async def _read_engine(
+        self, read: Callable[[Engine], tuple[EngineStats, list[int]]]
+    ) -> tuple[EngineStats, list[int]] | None:
+        """``read`` run on the engine thread, or None when it has not run within a heartbeat
+        interval; one read is outstanding at a time, and a late one's result is taken by
+        the next beat (its evicted hashes are not lost)."""
+        pending = self._stats_read
+        if pending is None:
+            pending = self._stats_read = asyncio.ensure_future(self.loop.call(read))
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), self.config.heartbeat_s)
+        except TimeoutError:
+            return None
+        finally:
+            if pending.done():
+                self._stats_read = None
+
     async def heartbeat_once(self) -> None:
         """Registry entry, then the index: evictions since the last beat leave it, and when
         Redis lost our entry (it restarted, or we were unreachable past the TTL) or a write
@@ -262,8 +286,20 @@ class WorkerRuntime:
             evicted = [int(h) for h in pool.drain_evicted() if pool.cached(h) is None]
             return engine.stats(), evicted
 
-        stats, evicted = await self.loop.call(read)
-        self._pending_removals.extend(evicted)
+        fresh_stats = await self._read_engine(read)
+        now = time.monotonic()
+        if fresh_stats is not None:
+            stats, evicted = fresh_stats
+            self._last_stats = (stats, now)
+            self._pending_removals.extend(evicted)
+        elif self._last_stats is not None and now - self._last_stats[1] < ENGINE_SILENCE_LIMIT_S:
+            # Mid-step: the process is alive, its figures are a step old. Skipping the beat
+            # would drop the worker from routing (and a lone decode worker with it).
+            stats = self._last_stats[0]
+        else:
+            since = now - self._last_stats[1] if self._last_stats else 0.0
+            log.warning("the engine has not answered for %.0f s: no heartbeat", since)
+            return
         fresh = await self.registry.heartbeat(
             WorkerInfo(
                 worker_id=self.worker_id,

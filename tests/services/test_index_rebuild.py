@@ -190,6 +190,60 @@ def test_a_silent_worker_leaves_the_registry_within_seconds(
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
 
+def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
+    tiny_dir: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats read the engine's figures between steps. A step longer than the registry
+    TTL (a big prefill chunk on a busy CPU) must not drop the worker from routing: the beat
+    goes on with the last figures. An engine silent past ENGINE_SILENCE_LIMIT_S is stuck,
+    and then the entry expires."""
+    from common.worker import runtime as runtime_module
+
+    engine_config = EngineConfig(
+        model=str(tiny_dir), num_kv_blocks=16, block_size=16, device="cpu", dtype="float32"
+    )
+    config = WorkerConfig(
+        role="decode", engine=engine_config, redis_url=redis_server.url, heartbeat_s=0.2
+    )
+
+    async def body() -> None:
+        runtime = WorkerRuntime(config, Engine(engine_config))
+        await runtime.start(port=3)
+        client = redis_client.connect(redis_server.url)
+        try:
+            registry = WorkerRegistry(client)
+
+            async def listed() -> bool:
+                return [w.worker_id for w in await registry.list()] == [runtime.worker_id]
+
+            await eventually(listed)
+            # The engine thread busy for 5 s: longer than the entry's 3-s TTL.
+            busy = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(5.0)))
+            watched_until = time.monotonic() + 4.5
+            while time.monotonic() < watched_until:
+                assert await listed(), "the worker left the registry during a long step"
+                await asyncio.sleep(0.25)
+            await busy
+
+            # Now a stuck engine: past the limit the beats stop and the entry expires.
+            monkeypatch.setattr(runtime_module, "ENGINE_SILENCE_LIMIT_S", 0.5)
+            stuck = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(6.0)))
+            stuck_at = time.monotonic()
+
+            async def gone() -> bool:
+                return await registry.list() == []
+
+            await eventually(gone, timeout_s=6)
+            assert time.monotonic() - stuck_at <= 5.0  # the limit, then the 3-s TTL
+            await stuck
+            await eventually(listed)  # answering again: back in
+        finally:
+            await client.aclose()
+            await runtime.stop()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
+
+
 def test_the_block_store_republishes_at_once_when_redis_returns_empty(
     redis_server: RedisServer,
 ) -> None:
