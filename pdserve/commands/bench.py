@@ -2,6 +2,7 @@
 
 pdserve bench serve [--backend pdserve|openai|openai-chat] [--base-url URL] ...
 pdserve bench scenario NAME|all [--small] [--result-dir DIR] [--model DIR]
+pdserve bench soak [--duration-s S] [--load-fraction F] [--result-dir DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     scenario.add_argument("--seed", type=int, default=0)
     scenario.add_argument("--progress", action="store_true", help="show progress bars")
     scenario.set_defaults(func=run_scenario)
+    from loadtest.soak import add_soak_args
+
+    soak = kinds.add_parser(
+        "soak", help="steady load at a fraction of capacity for a long time; RSS per process",
+        description="Starts a stack (pdserve up) unless --run-dir names one, measures its "
+        "capacity, sends Poisson load at --load-fraction of it for --duration-s, and reports "
+        "every process's memory growth, failures by status code and latency per window.",
+    )  # fmt: skip
+    add_soak_args(soak)
+    soak.set_defaults(func=run_soak)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -44,6 +55,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     result = asyncio.run(serve(args))
     return 0 if result["completed"] else 1
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    from loadtest.soak import run_soak as soak
+
+    result = soak(args)
+    return 0 if result["completed"] and not result["failed"] else 1
 
 
 def run_scenario(args: argparse.Namespace) -> int:
