@@ -306,6 +306,28 @@ async def one(target: str, **kwargs: object) -> tuple[list[int], int]:
     return tokens, cached
 
 
+def wait_out_of_registry(stack: ChaosStack, name: str) -> None:
+    """A hung worker's entry expires: it leaves the routing set."""
+    stopped = stack.child(name).address
+    wait_for(
+        f"{name} out of the registry",
+        lambda: stopped not in {w["address"] for w in stack.workers()},
+        timeout_s=REGISTRY_TTL_S + 5,
+    )
+
+
+def wait_rejoined(stack: ChaosStack, name: str) -> None:
+    """Requests until ``name`` serves one (after its breaker's probe), then settled."""
+    served = request_count(stack, name)
+
+    def rejoined() -> bool:
+        asyncio.run(one(stack.target, prompt=passage(2), cache_salt=f"rejoin-{uuid.uuid4().hex}"))
+        return request_count(stack, name) > served
+
+    wait_for(f"{name} serving requests again", rejoined, timeout_s=40)
+    assert_settled(stack, dead=set())
+
+
 # -- the scenarios, in order ---------------------------------------------------------------------
 
 
@@ -323,24 +345,12 @@ def test_a_hung_prefill_worker_loses_no_request(chaos: ChaosStack) -> None:
     slowest = max(o.ttft_s or o.total_s for o in load.outcomes)
     assert slowest < PREFILL_TIMEOUT_S + 20, f"a request waited {slowest:.1f} s for its first token"
     # It left the routing set: its entry expired.
-    stopped = chaos.child("prefill-1").address
-    wait_for(
-        "prefill-1 out of the registry",
-        lambda: stopped not in {w["address"] for w in chaos.workers()},
-        timeout_s=REGISTRY_TTL_S + 5,
-    )
+    wait_out_of_registry(chaos, "prefill-1")
 
     chaos.kill("prefill-1", signal.SIGCONT)
     assert_settled(chaos, dead=set())
     # Back in the routing set, and after its breaker's probe it gets traffic again.
-    served = request_count(chaos, "prefill-1")
-
-    def rejoined() -> bool:
-        asyncio.run(one(chaos.target, prompt=passage(2), cache_salt=f"rejoin-{uuid.uuid4().hex}"))
-        return request_count(chaos, "prefill-1") > served
-
-    wait_for("prefill-1 serving requests again", rejoined, timeout_s=40)
-    assert_settled(chaos, dead=set())
+    wait_rejoined(chaos, "prefill-1")
 
 
 def test_a_hung_decode_worker_loses_no_request(chaos: ChaosStack) -> None:
@@ -358,24 +368,12 @@ def test_a_hung_decode_worker_loses_no_request(chaos: ChaosStack) -> None:
     longest = max(o.total_s for o in load.outcomes)
     bound = DECODE_STALL_TIMEOUT_S + PREFILL_TIMEOUT_S + 30
     assert longest < bound, f"a request took {longest:.1f} s"
-    stopped = chaos.child("decode-1").address
-    wait_for(
-        "decode-1 out of the registry",
-        lambda: stopped not in {w["address"] for w in chaos.workers()},
-        timeout_s=REGISTRY_TTL_S + 5,
-    )
+    wait_out_of_registry(chaos, "decode-1")
 
     chaos.kill("decode-1", signal.SIGCONT)
     # Woken, it finds its streams cancelled and frees their blocks; it serves again.
     assert_settled(chaos, dead=set())
-    served = request_count(chaos, "decode-1")
-
-    def rejoined() -> bool:
-        asyncio.run(one(chaos.target, prompt=passage(2), cache_salt=f"rejoin-{uuid.uuid4().hex}"))
-        return request_count(chaos, "decode-1") > served
-
-    wait_for("decode-1 serving requests again", rejoined, timeout_s=40)
-    assert_settled(chaos, dead=set())
+    wait_rejoined(chaos, "decode-1")
 
 
 def test_redis_killed_and_restarted_loses_no_request_and_the_index_rebuilds(

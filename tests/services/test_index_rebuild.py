@@ -15,7 +15,8 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -153,39 +154,50 @@ def test_a_worker_republishes_its_blocks_when_redis_returns_empty(
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
 
+@dataclass
+class RegisteredWorker:
+    runtime: WorkerRuntime
+    registry: WorkerRegistry
+
+    async def listed(self) -> bool:
+        """The registry lists this worker, alone."""
+        return [w.worker_id for w in await self.registry.list()] == [self.runtime.worker_id]
+
+    async def gone(self) -> bool:
+        return await self.registry.list() == []
+
+
+@contextlib.asynccontextmanager
+async def registered_worker(
+    checkpoint: Path, redis_url: str, role: str, port: int
+) -> AsyncIterator[RegisteredWorker]:
+    """A worker runtime heartbeating every 0.2 s (entry TTL 3 s), once it is listed."""
+    engine_config = EngineConfig(
+        model=str(checkpoint), num_kv_blocks=16, block_size=16, device="cpu", dtype="float32"
+    )
+    config = WorkerConfig(role=role, engine=engine_config, redis_url=redis_url, heartbeat_s=0.2)
+    runtime = WorkerRuntime(config, Engine(engine_config))
+    await runtime.start(port=port)
+    client = redis_client.connect(redis_url)
+    try:
+        worker = RegisteredWorker(runtime, WorkerRegistry(client))
+        await eventually(worker.listed)
+        yield worker
+    finally:
+        await client.aclose()
+        await runtime.stop()
+
+
 def test_a_silent_worker_leaves_the_registry_within_seconds(
     tiny_dir: Path, redis_server: RedisServer
 ) -> None:
-    engine_config = EngineConfig(
-        model=str(tiny_dir), num_kv_blocks=16, block_size=16, device="cpu", dtype="float32"
-    )
-    config = WorkerConfig(
-        role="prefill", engine=engine_config, redis_url=redis_server.url, heartbeat_s=0.2
-    )
-
     async def body() -> None:
-        runtime = WorkerRuntime(config, Engine(engine_config))
-        await runtime.start(port=2)
-        client = redis_client.connect(redis_server.url)
-        try:
-            registry = WorkerRegistry(client)
-
-            async def listed() -> bool:
-                return [w.worker_id for w in await registry.list()] == [runtime.worker_id]
-
-            await eventually(listed)
-            heartbeat = runtime._tasks[0]
+        async with registered_worker(tiny_dir, redis_server.url, "prefill", 2) as worker:
+            heartbeat = worker.runtime._tasks[0]
             heartbeat.cancel()  # it hangs (SIGSTOP) or died without deregistering
             silent_at = time.monotonic()
-
-            async def gone() -> bool:
-                return await registry.list() == []
-
-            await eventually(gone, timeout_s=10)
+            await eventually(worker.gone, timeout_s=10)
             assert time.monotonic() - silent_at <= 4.0  # the entry's TTL: 3 s here
-        finally:
-            await client.aclose()
-            await runtime.stop()
 
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
@@ -199,24 +211,9 @@ def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
     and then the entry expires."""
     from common.worker import runtime as runtime_module
 
-    engine_config = EngineConfig(
-        model=str(tiny_dir), num_kv_blocks=16, block_size=16, device="cpu", dtype="float32"
-    )
-    config = WorkerConfig(
-        role="decode", engine=engine_config, redis_url=redis_server.url, heartbeat_s=0.2
-    )
-
     async def body() -> None:
-        runtime = WorkerRuntime(config, Engine(engine_config))
-        await runtime.start(port=3)
-        client = redis_client.connect(redis_server.url)
-        try:
-            registry = WorkerRegistry(client)
-
-            async def listed() -> bool:
-                return [w.worker_id for w in await registry.list()] == [runtime.worker_id]
-
-            await eventually(listed)
+        async with registered_worker(tiny_dir, redis_server.url, "decode", 3) as worker:
+            runtime, listed = worker.runtime, worker.listed
             # The engine thread busy for 5 s: longer than the entry's 3-s TTL.
             busy = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(5.0)))
             watched_until = time.monotonic() + 4.5
@@ -230,16 +227,10 @@ def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
             stuck = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(6.0)))
             stuck_at = time.monotonic()
 
-            async def gone() -> bool:
-                return await registry.list() == []
-
-            await eventually(gone, timeout_s=6)
+            await eventually(worker.gone, timeout_s=6)
             assert time.monotonic() - stuck_at <= 5.0  # the limit, then the 3-s TTL
             await stuck
             await eventually(listed)  # answering again: back in
-        finally:
-            await client.aclose()
-            await runtime.stop()
 
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
