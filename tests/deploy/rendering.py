@@ -44,6 +44,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
         "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
     },
+    "gateway-failure-handling": {
+        "gateway": {
+            "routingPolicy": "load",
+            "prefillTimeoutSeconds": 2.5,
+            "decodeStallTimeoutSeconds": 0,
+            "maxMigrations": 1,
+            "maxInFlight": 256,
+            "maxInFlightPerTenant": 32,
+            "maxQueuedPromptTokens": 2_000_000,
+            "maxQueuedPromptTokensPerTenant": 100_000,
+        }
+    },
     "shared-model-fixed-replicas": {
         "model": {"convert": {"enabled": False}, "volume": {"existingClaim": "models"}},
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},

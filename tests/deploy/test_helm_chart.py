@@ -39,6 +39,17 @@ CRD_KINDS = {"ServiceMonitor"}
 BLOCKSTORE_DRAIN_S = 10.0
 
 variant_names = pytest.mark.parametrize("variant", sorted(VARIANTS))
+# The gateway's failure-handling and admission flags (gateway.* values).
+FAILURE_FLAGS = (
+    "routing-policy",
+    "prefill-timeout-s",
+    "decode-stall-timeout-s",
+    "max-migrations",
+    "max-in-flight",
+    "max-in-flight-per-tenant",
+    "max-queued-prompt-tokens",
+    "max-queued-prompt-tokens-per-tenant",
+)
 
 
 def roles_present(variant: str) -> tuple[str, ...]:
@@ -373,6 +384,9 @@ def test_model_is_converted_into_the_volume_by_an_init_container() -> None:
         {"prefill": {"replicas": -1}},
         {"gpu": {"enabled": "yes"}},
         {"decode": {"attentionBackend": "flash"}},
+        {"gateway": {"routingPolicy": "random"}},
+        {"gateway": {"maxMigrations": -1}},
+        {"gateway": {"decodeStallTimeoutSeconds": "30s"}},
     ],
 )
 def test_schema_rejects_unknown_and_malformed_values(values: dict[str, Any]) -> None:
@@ -393,3 +407,33 @@ def test_helm_test_pod_sends_a_prompt_through_the_gateway() -> None:
     container = pod_spec(pod)["containers"][0]
     assert container["args"][0] == "generate"
     assert flag(container, "target") == service_address("gateway", 50051)
+
+
+def test_gateway_failure_handling_and_admission_flags() -> None:
+    def gateway_flags(values: dict[str, Any]) -> dict[str, str | None]:
+        container = pdserve_container(render(values).deployment("gateway"))
+        return {name: flag(container, name) for name in FAILURE_FLAGS}
+
+    assert gateway_flags({}) == {
+        "routing-policy": "prefix-aware",
+        "prefill-timeout-s": "60",
+        "decode-stall-timeout-s": "30",
+        "max-migrations": "3",
+        "max-in-flight": "1024",
+        "max-in-flight-per-tenant": "0",
+        "max-queued-prompt-tokens": "262144",
+        "max-queued-prompt-tokens-per-tenant": "0",
+    }
+    assert gateway_flags(VARIANTS["gateway-failure-handling"]) == {
+        "routing-policy": "load",
+        "prefill-timeout-s": "2.5",
+        "decode-stall-timeout-s": "0",
+        "max-migrations": "1",
+        "max-in-flight": "256",
+        "max-in-flight-per-tenant": "32",
+        "max-queued-prompt-tokens": "2000000",  # not 2e+06
+        "max-queued-prompt-tokens-per-tenant": "100000",
+    }
+    for role in WORKER_ROLES:
+        container = pdserve_container(render(VARIANTS["gateway-failure-handling"]).deployment(role))
+        assert [name for name in FAILURE_FLAGS if flag(container, name) is not None] == []
