@@ -56,6 +56,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "maxQueuedPromptTokensPerTenant": 100_000,
         }
     },
+    "api-keys": {"gateway": {"auth": {"enabled": True, "existingSecret": "pdserve-api-keys"}}},
     "shared-model-fixed-replicas": {
         "model": {"convert": {"enabled": False}, "volume": {"existingClaim": "models"}},
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},
@@ -134,6 +135,14 @@ def containers(workload: Manifest, *, init: bool = True) -> Iterator[Manifest]:
 
 def env_of(container: Manifest) -> dict[str, Manifest]:
     return {var["name"]: var for var in container.get("env", [])}
+
+
+def volumes_of(workload: Manifest) -> dict[str, Manifest]:
+    return {volume["name"]: volume for volume in pod_spec(workload).get("volumes", [])}
+
+
+def mounts_of(container: Manifest) -> dict[str, Manifest]:
+    return {mount["name"]: mount for mount in container.get("volumeMounts", [])}
 
 
 def flag(container: Manifest, name: str) -> str | None:

@@ -23,11 +23,13 @@ from tests.deploy.rendering import (
     containers,
     env_of,
     flag,
+    mounts_of,
     pod_labels,
     pod_spec,
     render,
     selects,
     service_address,
+    volumes_of,
 )
 
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion: native gRPC probes are GA
@@ -162,7 +164,7 @@ def test_no_credential_is_written_into_a_manifest(variant: str) -> None:
             names = [var["name"] for var in container.get("env", [])]
             env = env_of(container)
             for name, var in env.items():
-                if re.search(r"PASSWORD|SECRET|TOKEN|AUTH", name):
+                if re.search(r"PASSWORD|SECRET|TOKEN|AUTH|API_KEY", name):
                     assert is_secret_ref(var), (container["name"], name)
             url = env.get("PDSERVE_REDIS_URL")
             if url is not None and not is_secret_ref(url):
@@ -437,3 +439,51 @@ def test_gateway_failure_handling_and_admission_flags() -> None:
     for role in WORKER_ROLES:
         container = pdserve_container(render(VARIANTS["gateway-failure-handling"]).deployment(role))
         assert [name for name in FAILURE_FLAGS if flag(container, name) is not None] == []
+
+
+def test_api_keys_file_is_mounted_from_a_secret_into_the_gateway_only() -> None:
+    rendered = render(VARIANTS["api-keys"])
+    gateway = rendered.deployment("gateway")
+    container = pdserve_container(gateway)
+    assert flag(container, "api-keys-file") == "/etc/pdserve/api-keys/api-keys"
+    assert mounts_of(container)["api-keys"] == {
+        "name": "api-keys",
+        "mountPath": "/etc/pdserve/api-keys",
+        "readOnly": True,
+    }
+    assert volumes_of(gateway)["api-keys"]["secret"] == {
+        "secretName": "pdserve-api-keys",
+        "defaultMode": 0o440,
+        "items": [{"key": "api-keys", "path": "api-keys"}],
+    }
+    for role in ("prefill", "decode", "blockstore"):
+        deployment = rendered.deployment(role)
+        assert "api-keys" not in volumes_of(deployment), role
+        assert flag(pdserve_container(deployment), "api-keys-file") is None, role
+    default = render().deployment("gateway")
+    assert "api-keys" not in volumes_of(default)
+    assert flag(pdserve_container(default), "api-keys-file") is None
+
+
+def test_helm_test_pod_sends_an_api_key_from_a_secret() -> None:
+    def test_pod_env(values: dict[str, Any]) -> dict[str, Manifest]:
+        (pod,) = render(values).of_kind("Pod")
+        return env_of(pod_spec(pod)["containers"][0])
+
+    # By default the key sits beside the keys file, in the gateway's Secret.
+    assert test_pod_env(VARIANTS["api-keys"])["PDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "pdserve-api-keys", "key": "test-api-key"}
+    }
+    own = {
+        **VARIANTS["api-keys"],
+        "tests": {"apiKey": {"existingSecret": "smoke-test", "existingSecretKey": "key"}},
+    }
+    assert test_pod_env(own)["PDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "smoke-test", "key": "key"}
+    }
+    assert test_pod_env({}) == {}
+
+
+def test_auth_without_a_secret_is_refused() -> None:
+    with pytest.raises(helm.HelmError, match=r"gateway\.auth\.enabled needs gateway\.auth\."):
+        render({"gateway": {"auth": {"enabled": True}}})
