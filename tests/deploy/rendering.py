@@ -57,6 +57,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "api-keys": {"gateway": {"auth": {"enabled": True, "existingSecret": "pdserve-api-keys"}}},
+    "mtls-shared-secret": {"mtls": {"enabled": True, "existingSecret": "pdserve-mtls"}},
+    "mtls-per-role": {
+        "mtls": {
+            "enabled": True,
+            "existingSecret": "pdserve-mtls",
+            "secrets": {"decode": "decode-mtls", "blockstore": "blockstore-mtls"},
+        }
+    },
     "shared-model-fixed-replicas": {
         "model": {"convert": {"enabled": False}, "volume": {"existingClaim": "models"}},
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},

@@ -41,6 +41,7 @@ CRD_KINDS = {"ServiceMonitor"}
 BLOCKSTORE_DRAIN_S = 10.0
 
 variant_names = pytest.mark.parametrize("variant", sorted(VARIANTS))
+PROBE_KINDS = {"grpc", "tcpSocket", "httpGet", "exec"}
 # The gateway's failure-handling and admission flags (gateway.* values).
 FAILURE_FLAGS = (
     "routing-policy",
@@ -86,14 +87,29 @@ def test_every_object_matches_the_kubernetes_schema(variant: str, kube_version: 
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
 
 
+def serves_tls(variant: str, role: str) -> bool:
+    """Whether the role's gRPC port serves TLS in the variant (mTLS; the gateway's publicTls)."""
+    values = VARIANTS[variant]
+    if role == "gateway":
+        return bool(values.get("gateway", {}).get("publicTls", {}).get("enabled"))
+    return bool(values.get("mtls", {}).get("enabled"))
+
+
 @variant_names
-def test_every_deployment_has_grpc_probes_on_its_grpc_port(variant: str) -> None:
+def test_every_deployment_probes_its_grpc_port(variant: str) -> None:
     for role in roles_present(variant):
         container = pdserve_container(render(VARIANTS[variant]).deployment(role))
         grpc_ports = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
         assert len(grpc_ports) == 1, role
+        # kubelet's gRPC probe speaks neither TLS nor mTLS: a TLS port gets a TCP connect.
+        expected = (
+            ("tcpSocket", {"port": grpc_ports[0]})
+            if serves_tls(variant, role)
+            else ("grpc", {"port": grpc_ports[0], "service": ""})
+        )
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_ports[0], "service": ""}, role
+            checks = [(key, value) for key, value in container[probe].items() if key in PROBE_KINDS]
+            assert checks == [expected], (role, probe)
         assert flag(container, "port") == str(grpc_ports[0])
 
 
@@ -487,3 +503,110 @@ def test_helm_test_pod_sends_an_api_key_from_a_secret() -> None:
 def test_auth_without_a_secret_is_refused() -> None:
     with pytest.raises(helm.HelmError, match=r"gateway\.auth\.enabled needs gateway\.auth\."):
         render({"gateway": {"auth": {"enabled": True}}})
+
+
+MTLS_ARGS = [
+    "--tls-cert=/etc/pdserve/mtls/tls.crt",
+    "--tls-key=/etc/pdserve/mtls/tls.key",
+    "--tls-ca=/etc/pdserve/mtls/ca.crt",
+]
+
+
+def mtls_secret_of(deployment: Manifest) -> str:
+    """The mTLS Secret the deployment's pdserve container reads, after checking the wiring."""
+    container = pdserve_container(deployment)
+    assert [a for a in container["args"] if a.startswith("--tls-")] == MTLS_ARGS
+    assert mounts_of(container)["mtls"] == {
+        "name": "mtls",
+        "mountPath": "/etc/pdserve/mtls",
+        "readOnly": True,
+    }
+    secret = volumes_of(deployment)["mtls"]["secret"]
+    assert secret["defaultMode"] == 0o440
+    assert secret["items"] == [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")]
+    name: str = secret["secretName"]
+    return name
+
+
+@pytest.mark.parametrize(
+    ("variant", "secrets"),
+    [
+        ("mtls-shared-secret", dict.fromkeys(PDSERVE_ROLES, "pdserve-mtls")),
+        (
+            "mtls-per-role",
+            {
+                "gateway": "pdserve-mtls",
+                "prefill": "pdserve-mtls",
+                "decode": "decode-mtls",
+                "blockstore": "blockstore-mtls",
+            },
+        ),
+    ],
+)
+def test_mtls_mounts_each_roles_secret_and_passes_the_tls_flags(
+    variant: str, secrets: dict[str, str]
+) -> None:
+    rendered = render(VARIANTS[variant])
+    assert {role: mtls_secret_of(rendered.deployment(role)) for role in PDSERVE_ROLES} == secrets
+    # The model converter and the helm test pod (which calls the public port) hold no cert.
+    for workload in rendered.workloads():
+        for container in containers(workload):
+            if container["name"] not in PDSERVE_ROLES:
+                assert "mtls" not in mounts_of(container), container["name"]
+                assert flag(container, "tls-cert") is None, container["name"]
+
+
+def test_without_mtls_no_tls_flag_or_volume() -> None:
+    rendered = render()
+    for role in PDSERVE_ROLES:
+        deployment = rendered.deployment(role)
+        assert "mtls" not in volumes_of(deployment), role
+        assert [a for a in pdserve_container(deployment)["args"] if "tls" in a] == [], role
+
+
+def test_mtls_needs_a_secret_for_every_role_it_renders() -> None:
+    three = {"gateway": "g", "prefill": "p", "decode": "d"}
+    with pytest.raises(helm.HelmError, match=r"mtls\.existingSecret or mtls\.secrets\.blockstore"):
+        render({"mtls": {"enabled": True, "secrets": three}})
+    without_store = render(
+        {"mtls": {"enabled": True, "secrets": three}, "blockstore": {"enabled": False}}
+    )
+    assert [mtls_secret_of(without_store.deployment(r)) for r in ("gateway", *WORKER_ROLES)] == [
+        "g",
+        "p",
+        "d",
+    ]
+
+
+@pytest.mark.parametrize("role", WORKER_ROLES)
+def test_mtls_workers_advertise_a_dns_name_their_certificate_can_hold(role: str) -> None:
+    rendered = render(VARIANTS["mtls-shared-secret"])
+    deployment = rendered.deployment(role)
+    service = rendered.one("Service", f"{RELEASE}-pdserve-{role}")
+    port = service["spec"]["ports"][0]["port"]
+    # <pod>.<headless Service>: the pod's hostname under its subdomain, matched by a wildcard
+    # SAN; pod IPs are unknown when the Secret is issued.
+    assert flag(pdserve_container(deployment), "advertise") == (
+        f"$(POD_NAME).{service_address(role, port)}"
+    )
+    assert pod_spec(deployment)["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    plain = render()
+    assert "subdomain" not in pod_spec(plain.deployment(role))
+    assert (
+        "publishNotReadyAddresses" not in plain.one("Service", f"{RELEASE}-pdserve-{role}")["spec"]
+    )
+
+
+@variant_names
+def test_services_claim_h2c_only_for_cleartext_ports(variant: str) -> None:
+    rendered = render(VARIANTS[variant])
+    for role in roles_present(variant):
+        (grpc_port,) = [
+            p
+            for p in rendered.one("Service", f"{RELEASE}-pdserve-{role}")["spec"]["ports"]
+            if p["name"] == "grpc"
+        ]
+        expected = None if serves_tls(variant, role) else "kubernetes.io/h2c"
+        assert grpc_port.get("appProtocol") == expected, role

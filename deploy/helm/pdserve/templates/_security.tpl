@@ -55,3 +55,67 @@ token): one key alone, from tests.apiKey or else the gateway's own Secret.
       key: {{ .Values.tests.apiKey.existingSecretKey }}
 {{- end }}
 {{- end }}
+
+{{- define "pdserve.mtlsDir" -}}/etc/pdserve/mtls{{- end }}
+
+{{/* The role's mutual-TLS Secret: mtls.secrets.<role>, else mtls.existingSecret. */}}
+{{- define "pdserve.mtlsSecret" -}}
+{{- $mtls := .root.Values.mtls }}
+{{- $name := default $mtls.existingSecret (index (default dict $mtls.secrets) .role) }}
+{{- if not $name }}
+{{- fail (printf "mtls.enabled needs mtls.existingSecret or mtls.secrets.%s: a kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt" .role) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{/* --tls-cert, --tls-key, --tls-ca (all three or none), and their Secret volume. */}}
+{{- define "pdserve.mtlsArgs" -}}
+{{- if .root.Values.mtls.enabled }}
+{{- $dir := include "pdserve.mtlsDir" . }}
+- --tls-cert={{ $dir }}/tls.crt
+- --tls-key={{ $dir }}/tls.key
+- --tls-ca={{ $dir }}/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.mtlsMounts" -}}
+{{- if .root.Values.mtls.enabled }}
+- name: mtls
+  mountPath: {{ include "pdserve.mtlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.mtlsVolumes" -}}
+{{- if .root.Values.mtls.enabled }}
+- name: mtls
+  secret:
+    secretName: {{ include "pdserve.mtlsSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end }}
+
+{{/*
+The address a worker registers for its peers. Plaintext: its pod IP. With mutual TLS its
+peers check the name they dial against its certificate, and a certificate in a Secret cannot
+name pod IPs; so it registers its pod's DNS name under the role's headless Service
+(<pod>.<service>.<namespace>.svc.<clusterDomain>, the pod's spec.subdomain), which a
+wildcard SAN *.<service>.<namespace>.svc.<clusterDomain> covers.
+*/}}
+{{- define "pdserve.workerAdvertise" -}}
+{{- if .root.Values.mtls.enabled }}
+{{- $service := include "pdserve.serviceHost" (dict "root" .root "name" (include "pdserve.roleName" .)) }}
+{{- printf "$(POD_NAME).%s:%v" $service .values.port }}
+{{- else }}
+{{- printf "$(POD_IP):%v" .values.port }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the role's gRPC port serves TLS, which kubelet's gRPC probe cannot speak. */}}
+{{- define "pdserve.servesTls" -}}
+{{- if and (ne .role "gateway") .root.Values.mtls.enabled }}true{{ end }}
+{{- end }}
