@@ -57,6 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "api-keys": {"gateway": {"auth": {"enabled": True, "existingSecret": "pdserve-api-keys"}}},
+    "public-tls": {"gateway": {"publicTls": {"enabled": True, "existingSecret": "gateway-tls"}}},
     "mtls-shared-secret": {"mtls": {"enabled": True, "existingSecret": "pdserve-mtls"}},
     "mtls-per-role": {
         "mtls": {

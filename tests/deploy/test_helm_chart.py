@@ -610,3 +610,66 @@ def test_services_claim_h2c_only_for_cleartext_ports(variant: str) -> None:
         ]
         expected = None if serves_tls(variant, role) else "kubernetes.io/h2c"
         assert grpc_port.get("appProtocol") == expected, role
+
+
+def test_public_tls_serves_the_gateway_port_with_a_secrets_certificate() -> None:
+    rendered = render(VARIANTS["public-tls"])
+    gateway = rendered.deployment("gateway")
+    container = pdserve_container(gateway)
+    assert [a for a in container["args"] if "tls" in a] == [
+        "--public-tls-cert=/etc/pdserve/public-tls/tls.crt",
+        "--public-tls-key=/etc/pdserve/public-tls/tls.key",
+    ]
+    assert mounts_of(container)["public-tls"] == {
+        "name": "public-tls",
+        "mountPath": "/etc/pdserve/public-tls",
+        "readOnly": True,
+    }
+    assert volumes_of(gateway)["public-tls"]["secret"] == {
+        "secretName": "gateway-tls",
+        "defaultMode": 0o440,
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+    }
+    for role in ("prefill", "decode", "blockstore"):
+        deployment = rendered.deployment(role)
+        assert "public-tls" not in volumes_of(deployment), role
+        assert [a for a in pdserve_container(deployment)["args"] if "tls" in a] == [], role
+    # The helm test trusts the gateway's certificate through the same Secret's ca.crt.
+    (pod,) = rendered.of_kind("Pod")
+    test_container = pod_spec(pod)["containers"][0]
+    assert flag(test_container, "tls-ca") == "/etc/pdserve/public-tls/ca.crt"
+    assert mounts_of(test_container)["gateway-ca"]["mountPath"] == "/etc/pdserve/public-tls"
+    assert volumes_of(pod)["gateway-ca"]["secret"] == {
+        "secretName": "gateway-tls",
+        "defaultMode": 0o440,
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    (default_pod,) = render().of_kind("Pod")
+    assert flag(pod_spec(default_pod)["containers"][0], "tls-ca") is None
+    assert "gateway-ca" not in volumes_of(default_pod)
+
+
+def test_public_tls_without_a_secret_is_refused() -> None:
+    with pytest.raises(
+        helm.HelmError, match=r"gateway\.publicTls\.enabled needs gateway\.publicTls\."
+    ):
+        render({"gateway": {"publicTls": {"enabled": True}}})
+
+
+def test_notes_show_the_key_and_tls_a_first_request_needs() -> None:
+    secured = {
+        "gateway": {
+            **VARIANTS["public-tls"]["gateway"],
+            **VARIANTS["api-keys"]["gateway"],
+        }
+    }
+    notes = render(secured).notes
+    assert "export PDSERVE_API_KEY=<key>" in notes
+    gateway_host = service_address("gateway", 50051).rsplit(":", 1)[0]
+    assert f"grpcurl -cacert ca.crt -servername {gateway_host} -H" in notes
+    assert '-H "authorization: Bearer $PDSERVE_API_KEY"' in notes
+    assert "pdserve generate --target localhost:50051 --tls-ca ca.crt" in notes
+    assert "-plaintext" not in notes
+    plain = render().notes
+    assert "grpcurl -plaintext \\\n" in plain
+    assert "PDSERVE_API_KEY" not in plain

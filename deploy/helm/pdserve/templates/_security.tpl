@@ -5,6 +5,7 @@ pods' fsGroup owns them, so the non-root user reads them and no one else.
 */}}
 
 {{- define "pdserve.apiKeysDir" -}}/etc/pdserve/api-keys{{- end }}
+{{- define "pdserve.publicTlsDir" -}}/etc/pdserve/public-tls{{- end }}
 
 {{/* The Secret holding the gateway's keys file; refuses auth without one. */}}
 {{- define "pdserve.apiKeysSecret" -}}
@@ -15,10 +16,22 @@ pods' fsGroup owns them, so the non-root user reads them and no one else.
 {{- $auth.existingSecret }}
 {{- end }}
 
+{{/* The Secret holding the public port's certificate; refuses public TLS without one. */}}
+{{- define "pdserve.publicTlsSecret" -}}
+{{- if not .Values.gateway.publicTls.existingSecret }}
+{{- fail "gateway.publicTls.enabled needs gateway.publicTls.existingSecret: a kubernetes.io/tls Secret holding tls.crt and tls.key" }}
+{{- end }}
+{{- .Values.gateway.publicTls.existingSecret }}
+{{- end }}
+
 {{/* The gateway's security flags, mounts and volumes (API keys; public TLS). */}}
 {{- define "pdserve.gatewaySecurityArgs" -}}
 {{- if .Values.gateway.auth.enabled }}
 - --api-keys-file={{ include "pdserve.apiKeysDir" . }}/api-keys
+{{- end }}
+{{- if .Values.gateway.publicTls.enabled }}
+- --public-tls-cert={{ include "pdserve.publicTlsDir" . }}/tls.crt
+- --public-tls-key={{ include "pdserve.publicTlsDir" . }}/tls.key
 {{- end }}
 {{- end }}
 
@@ -26,6 +39,11 @@ pods' fsGroup owns them, so the non-root user reads them and no one else.
 {{- if .Values.gateway.auth.enabled }}
 - name: api-keys
   mountPath: {{ include "pdserve.apiKeysDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.gateway.publicTls.enabled }}
+- name: public-tls
+  mountPath: {{ include "pdserve.publicTlsDir" . }}
   readOnly: true
 {{- end }}
 {{- end }}
@@ -39,6 +57,44 @@ pods' fsGroup owns them, so the non-root user reads them and no one else.
     items:
       - key: {{ .Values.gateway.auth.existingSecretKey }}
         path: api-keys
+{{- end }}
+{{- if .Values.gateway.publicTls.enabled }}
+- name: public-tls
+  secret:
+    secretName: {{ include "pdserve.publicTlsSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- end }}
+
+{{/*
+The helm test's way to trust the public port: the ca.crt of the same Secret (cert-manager
+writes it for CA and self-signed issuers), passed as --tls-ca.
+*/}}
+{{- define "pdserve.testGatewayCaArgs" -}}
+{{- if .Values.gateway.publicTls.enabled }}
+- --tls-ca={{ include "pdserve.publicTlsDir" . }}/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.testGatewayCaMounts" -}}
+{{- if .Values.gateway.publicTls.enabled }}
+- name: gateway-ca
+  mountPath: {{ include "pdserve.publicTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.testGatewayCaVolumes" -}}
+{{- if .Values.gateway.publicTls.enabled }}
+- name: gateway-ca
+  secret:
+    secretName: {{ include "pdserve.publicTlsSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
 {{- end }}
 {{- end }}
 
@@ -117,5 +173,7 @@ wildcard SAN *.<service>.<namespace>.svc.<clusterDomain> covers.
 
 {{/* Whether the role's gRPC port serves TLS, which kubelet's gRPC probe cannot speak. */}}
 {{- define "pdserve.servesTls" -}}
-{{- if and (ne .role "gateway") .root.Values.mtls.enabled }}true{{ end }}
+{{- if eq .role "gateway" }}
+{{- if .root.Values.gateway.publicTls.enabled }}true{{ end }}
+{{- else if .root.Values.mtls.enabled }}true{{ end }}
 {{- end }}
