@@ -44,6 +44,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
         "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
     },
+    "gateway-failure-handling": {
+        "gateway": {
+            "routingPolicy": "load",
+            "prefillTimeoutSeconds": 2.5,
+            "decodeStallTimeoutSeconds": 0,
+            "maxMigrations": 1,
+            "maxInFlight": 256,
+            "maxInFlightPerTenant": 32,
+            "maxQueuedPromptTokens": 2_000_000,
+            "maxQueuedPromptTokensPerTenant": 100_000,
+        }
+    },
+    "api-keys": {"gateway": {"auth": {"enabled": True, "existingSecret": "pdserve-api-keys"}}},
+    "public-tls": {"gateway": {"publicTls": {"enabled": True, "existingSecret": "gateway-tls"}}},
+    "mtls-shared-secret": {"mtls": {"enabled": True, "existingSecret": "pdserve-mtls"}},
+    "mtls-per-role": {
+        "mtls": {
+            "enabled": True,
+            "existingSecret": "pdserve-mtls",
+            "secrets": {"decode": "decode-mtls", "blockstore": "blockstore-mtls"},
+        }
+    },
     "shared-model-fixed-replicas": {
         "model": {"convert": {"enabled": False}, "volume": {"existingClaim": "models"}},
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},
@@ -122,6 +144,14 @@ def containers(workload: Manifest, *, init: bool = True) -> Iterator[Manifest]:
 
 def env_of(container: Manifest) -> dict[str, Manifest]:
     return {var["name"]: var for var in container.get("env", [])}
+
+
+def volumes_of(workload: Manifest) -> dict[str, Manifest]:
+    return {volume["name"]: volume for volume in pod_spec(workload).get("volumes", [])}
+
+
+def mounts_of(container: Manifest) -> dict[str, Manifest]:
+    return {mount["name"]: mount for mount in container.get("volumeMounts", [])}
 
 
 def flag(container: Manifest, name: str) -> str | None:

@@ -23,11 +23,13 @@ from tests.deploy.rendering import (
     containers,
     env_of,
     flag,
+    mounts_of,
     pod_labels,
     pod_spec,
     render,
     selects,
     service_address,
+    volumes_of,
 )
 
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion: native gRPC probes are GA
@@ -39,6 +41,18 @@ CRD_KINDS = {"ServiceMonitor"}
 BLOCKSTORE_DRAIN_S = 10.0
 
 variant_names = pytest.mark.parametrize("variant", sorted(VARIANTS))
+PROBE_KINDS = {"grpc", "tcpSocket", "httpGet", "exec"}
+# The gateway's failure-handling and admission flags (gateway.* values).
+FAILURE_FLAGS = (
+    "routing-policy",
+    "prefill-timeout-s",
+    "decode-stall-timeout-s",
+    "max-migrations",
+    "max-in-flight",
+    "max-in-flight-per-tenant",
+    "max-queued-prompt-tokens",
+    "max-queued-prompt-tokens-per-tenant",
+)
 
 
 def roles_present(variant: str) -> tuple[str, ...]:
@@ -73,14 +87,29 @@ def test_every_object_matches_the_kubernetes_schema(variant: str, kube_version: 
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
 
 
+def serves_tls(variant: str, role: str) -> bool:
+    """Whether the role's gRPC port serves TLS in the variant (mTLS; the gateway's publicTls)."""
+    values = VARIANTS[variant]
+    if role == "gateway":
+        return bool(values.get("gateway", {}).get("publicTls", {}).get("enabled"))
+    return bool(values.get("mtls", {}).get("enabled"))
+
+
 @variant_names
-def test_every_deployment_has_grpc_probes_on_its_grpc_port(variant: str) -> None:
+def test_every_deployment_probes_its_grpc_port(variant: str) -> None:
     for role in roles_present(variant):
         container = pdserve_container(render(VARIANTS[variant]).deployment(role))
         grpc_ports = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
         assert len(grpc_ports) == 1, role
+        # kubelet's gRPC probe speaks neither TLS nor mTLS: a TLS port gets a TCP connect.
+        expected = (
+            ("tcpSocket", {"port": grpc_ports[0]})
+            if serves_tls(variant, role)
+            else ("grpc", {"port": grpc_ports[0], "service": ""})
+        )
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_ports[0], "service": ""}, role
+            checks = [(key, value) for key, value in container[probe].items() if key in PROBE_KINDS]
+            assert checks == [expected], (role, probe)
         assert flag(container, "port") == str(grpc_ports[0])
 
 
@@ -151,7 +180,7 @@ def test_no_credential_is_written_into_a_manifest(variant: str) -> None:
             names = [var["name"] for var in container.get("env", [])]
             env = env_of(container)
             for name, var in env.items():
-                if re.search(r"PASSWORD|SECRET|TOKEN|AUTH", name):
+                if re.search(r"PASSWORD|SECRET|TOKEN|AUTH|API_KEY", name):
                     assert is_secret_ref(var), (container["name"], name)
             url = env.get("PDSERVE_REDIS_URL")
             if url is not None and not is_secret_ref(url):
@@ -373,6 +402,9 @@ def test_model_is_converted_into_the_volume_by_an_init_container() -> None:
         {"prefill": {"replicas": -1}},
         {"gpu": {"enabled": "yes"}},
         {"decode": {"attentionBackend": "flash"}},
+        {"gateway": {"routingPolicy": "random"}},
+        {"gateway": {"maxMigrations": -1}},
+        {"gateway": {"decodeStallTimeoutSeconds": "30s"}},
     ],
 )
 def test_schema_rejects_unknown_and_malformed_values(values: dict[str, Any]) -> None:
@@ -393,3 +425,251 @@ def test_helm_test_pod_sends_a_prompt_through_the_gateway() -> None:
     container = pod_spec(pod)["containers"][0]
     assert container["args"][0] == "generate"
     assert flag(container, "target") == service_address("gateway", 50051)
+
+
+def test_gateway_failure_handling_and_admission_flags() -> None:
+    def gateway_flags(values: dict[str, Any]) -> dict[str, str | None]:
+        container = pdserve_container(render(values).deployment("gateway"))
+        return {name: flag(container, name) for name in FAILURE_FLAGS}
+
+    assert gateway_flags({}) == {
+        "routing-policy": "prefix-aware",
+        "prefill-timeout-s": "60",
+        "decode-stall-timeout-s": "30",
+        "max-migrations": "3",
+        "max-in-flight": "1024",
+        "max-in-flight-per-tenant": "0",
+        "max-queued-prompt-tokens": "262144",
+        "max-queued-prompt-tokens-per-tenant": "0",
+    }
+    assert gateway_flags(VARIANTS["gateway-failure-handling"]) == {
+        "routing-policy": "load",
+        "prefill-timeout-s": "2.5",
+        "decode-stall-timeout-s": "0",
+        "max-migrations": "1",
+        "max-in-flight": "256",
+        "max-in-flight-per-tenant": "32",
+        "max-queued-prompt-tokens": "2000000",  # not 2e+06
+        "max-queued-prompt-tokens-per-tenant": "100000",
+    }
+    for role in WORKER_ROLES:
+        container = pdserve_container(render(VARIANTS["gateway-failure-handling"]).deployment(role))
+        assert [name for name in FAILURE_FLAGS if flag(container, name) is not None] == []
+
+
+def test_api_keys_file_is_mounted_from_a_secret_into_the_gateway_only() -> None:
+    rendered = render(VARIANTS["api-keys"])
+    gateway = rendered.deployment("gateway")
+    container = pdserve_container(gateway)
+    assert flag(container, "api-keys-file") == "/etc/pdserve/api-keys/api-keys"
+    assert mounts_of(container)["api-keys"] == {
+        "name": "api-keys",
+        "mountPath": "/etc/pdserve/api-keys",
+        "readOnly": True,
+    }
+    assert volumes_of(gateway)["api-keys"]["secret"] == {
+        "secretName": "pdserve-api-keys",
+        "defaultMode": 0o440,
+        "items": [{"key": "api-keys", "path": "api-keys"}],
+    }
+    for role in ("prefill", "decode", "blockstore"):
+        deployment = rendered.deployment(role)
+        assert "api-keys" not in volumes_of(deployment), role
+        assert flag(pdserve_container(deployment), "api-keys-file") is None, role
+    default = render().deployment("gateway")
+    assert "api-keys" not in volumes_of(default)
+    assert flag(pdserve_container(default), "api-keys-file") is None
+
+
+def test_helm_test_pod_sends_an_api_key_from_a_secret() -> None:
+    def test_pod_env(values: dict[str, Any]) -> dict[str, Manifest]:
+        (pod,) = render(values).of_kind("Pod")
+        return env_of(pod_spec(pod)["containers"][0])
+
+    # By default the key sits beside the keys file, in the gateway's Secret.
+    assert test_pod_env(VARIANTS["api-keys"])["PDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "pdserve-api-keys", "key": "test-api-key"}
+    }
+    own = {
+        **VARIANTS["api-keys"],
+        "tests": {"apiKey": {"existingSecret": "smoke-test", "existingSecretKey": "key"}},
+    }
+    assert test_pod_env(own)["PDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "smoke-test", "key": "key"}
+    }
+    assert test_pod_env({}) == {}
+
+
+def test_auth_without_a_secret_is_refused() -> None:
+    with pytest.raises(helm.HelmError, match=r"gateway\.auth\.enabled needs gateway\.auth\."):
+        render({"gateway": {"auth": {"enabled": True}}})
+
+
+MTLS_ARGS = [
+    "--tls-cert=/etc/pdserve/mtls/tls.crt",
+    "--tls-key=/etc/pdserve/mtls/tls.key",
+    "--tls-ca=/etc/pdserve/mtls/ca.crt",
+]
+
+
+def mtls_secret_of(deployment: Manifest) -> str:
+    """The mTLS Secret the deployment's pdserve container reads, after checking the wiring."""
+    container = pdserve_container(deployment)
+    assert [a for a in container["args"] if a.startswith("--tls-")] == MTLS_ARGS
+    assert mounts_of(container)["mtls"] == {
+        "name": "mtls",
+        "mountPath": "/etc/pdserve/mtls",
+        "readOnly": True,
+    }
+    secret = volumes_of(deployment)["mtls"]["secret"]
+    assert secret["defaultMode"] == 0o440
+    assert secret["items"] == [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")]
+    name: str = secret["secretName"]
+    return name
+
+
+@pytest.mark.parametrize(
+    ("variant", "secrets"),
+    [
+        ("mtls-shared-secret", dict.fromkeys(PDSERVE_ROLES, "pdserve-mtls")),
+        (
+            "mtls-per-role",
+            {
+                "gateway": "pdserve-mtls",
+                "prefill": "pdserve-mtls",
+                "decode": "decode-mtls",
+                "blockstore": "blockstore-mtls",
+            },
+        ),
+    ],
+)
+def test_mtls_mounts_each_roles_secret_and_passes_the_tls_flags(
+    variant: str, secrets: dict[str, str]
+) -> None:
+    rendered = render(VARIANTS[variant])
+    assert {role: mtls_secret_of(rendered.deployment(role)) for role in PDSERVE_ROLES} == secrets
+    # The model converter and the helm test pod (which calls the public port) hold no cert.
+    for workload in rendered.workloads():
+        for container in containers(workload):
+            if container["name"] not in PDSERVE_ROLES:
+                assert "mtls" not in mounts_of(container), container["name"]
+                assert flag(container, "tls-cert") is None, container["name"]
+
+
+def test_without_mtls_no_tls_flag_or_volume() -> None:
+    rendered = render()
+    for role in PDSERVE_ROLES:
+        deployment = rendered.deployment(role)
+        assert "mtls" not in volumes_of(deployment), role
+        assert [a for a in pdserve_container(deployment)["args"] if "tls" in a] == [], role
+
+
+def test_mtls_needs_a_secret_for_every_role_it_renders() -> None:
+    three = {"gateway": "g", "prefill": "p", "decode": "d"}
+    with pytest.raises(helm.HelmError, match=r"mtls\.existingSecret or mtls\.secrets\.blockstore"):
+        render({"mtls": {"enabled": True, "secrets": three}})
+    without_store = render(
+        {"mtls": {"enabled": True, "secrets": three}, "blockstore": {"enabled": False}}
+    )
+    assert [mtls_secret_of(without_store.deployment(r)) for r in ("gateway", *WORKER_ROLES)] == [
+        "g",
+        "p",
+        "d",
+    ]
+
+
+@pytest.mark.parametrize("role", WORKER_ROLES)
+def test_mtls_workers_advertise_a_dns_name_their_certificate_can_hold(role: str) -> None:
+    rendered = render(VARIANTS["mtls-shared-secret"])
+    deployment = rendered.deployment(role)
+    service = rendered.one("Service", f"{RELEASE}-pdserve-{role}")
+    port = service["spec"]["ports"][0]["port"]
+    # <pod>.<headless Service>: the pod's hostname under its subdomain, matched by a wildcard
+    # SAN; pod IPs are unknown when the Secret is issued.
+    assert flag(pdserve_container(deployment), "advertise") == (
+        f"$(POD_NAME).{service_address(role, port)}"
+    )
+    assert pod_spec(deployment)["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    plain = render()
+    assert "subdomain" not in pod_spec(plain.deployment(role))
+    assert (
+        "publishNotReadyAddresses" not in plain.one("Service", f"{RELEASE}-pdserve-{role}")["spec"]
+    )
+
+
+@variant_names
+def test_services_claim_h2c_only_for_cleartext_ports(variant: str) -> None:
+    rendered = render(VARIANTS[variant])
+    for role in roles_present(variant):
+        (grpc_port,) = [
+            p
+            for p in rendered.one("Service", f"{RELEASE}-pdserve-{role}")["spec"]["ports"]
+            if p["name"] == "grpc"
+        ]
+        expected = None if serves_tls(variant, role) else "kubernetes.io/h2c"
+        assert grpc_port.get("appProtocol") == expected, role
+
+
+def test_public_tls_serves_the_gateway_port_with_a_secrets_certificate() -> None:
+    rendered = render(VARIANTS["public-tls"])
+    gateway = rendered.deployment("gateway")
+    container = pdserve_container(gateway)
+    assert [a for a in container["args"] if "tls" in a] == [
+        "--public-tls-cert=/etc/pdserve/public-tls/tls.crt",
+        "--public-tls-key=/etc/pdserve/public-tls/tls.key",
+    ]
+    assert mounts_of(container)["public-tls"] == {
+        "name": "public-tls",
+        "mountPath": "/etc/pdserve/public-tls",
+        "readOnly": True,
+    }
+    assert volumes_of(gateway)["public-tls"]["secret"] == {
+        "secretName": "gateway-tls",
+        "defaultMode": 0o440,
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+    }
+    for role in ("prefill", "decode", "blockstore"):
+        deployment = rendered.deployment(role)
+        assert "public-tls" not in volumes_of(deployment), role
+        assert [a for a in pdserve_container(deployment)["args"] if "tls" in a] == [], role
+    # The helm test trusts the gateway's certificate through the same Secret's ca.crt.
+    (pod,) = rendered.of_kind("Pod")
+    test_container = pod_spec(pod)["containers"][0]
+    assert flag(test_container, "tls-ca") == "/etc/pdserve/public-tls/ca.crt"
+    assert mounts_of(test_container)["gateway-ca"]["mountPath"] == "/etc/pdserve/public-tls"
+    assert volumes_of(pod)["gateway-ca"]["secret"] == {
+        "secretName": "gateway-tls",
+        "defaultMode": 0o440,
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    (default_pod,) = render().of_kind("Pod")
+    assert flag(pod_spec(default_pod)["containers"][0], "tls-ca") is None
+    assert "gateway-ca" not in volumes_of(default_pod)
+
+
+def test_public_tls_without_a_secret_is_refused() -> None:
+    with pytest.raises(
+        helm.HelmError, match=r"gateway\.publicTls\.enabled needs gateway\.publicTls\."
+    ):
+        render({"gateway": {"publicTls": {"enabled": True}}})
+
+
+def test_notes_show_the_key_and_tls_a_first_request_needs() -> None:
+    secured = {
+        "gateway": {
+            **VARIANTS["public-tls"]["gateway"],
+            **VARIANTS["api-keys"]["gateway"],
+        }
+    }
+    notes = render(secured).notes
+    assert "export PDSERVE_API_KEY=<key>" in notes
+    gateway_host = service_address("gateway", 50051).rsplit(":", 1)[0]
+    assert f"grpcurl -cacert ca.crt -servername {gateway_host} -H" in notes
+    assert '-H "authorization: Bearer $PDSERVE_API_KEY"' in notes
+    assert "pdserve generate --target localhost:50051 --tls-ca ca.crt" in notes
+    assert "-plaintext" not in notes
+    plain = render().notes
+    assert "grpcurl -plaintext \\\n" in plain
+    assert "PDSERVE_API_KEY" not in plain

@@ -199,24 +199,25 @@ container starts, so no credential is written into a manifest.
 {{- end }}
 {{- end }}
 
-{{/* grpc.health.v1 startup, readiness and liveness probes on the role's port. */}}
-{{- define "pdserve.grpcProbes" -}}
+{{/*
+Startup, readiness and liveness probes on the role's port: grpc.health.v1 where the port
+serves plaintext. Where it serves TLS (mtls, or the gateway's publicTls) kubelet's gRPC probe
+cannot connect (no TLS, no client certificate) and pdserve has no health command to exec,
+so the fallback is a TCP connect: it sees the port bound (after the model is loaded), not
+NOT_SERVING while draining, nor a hung process whose socket still accepts.
+*/}}
+{{- define "pdserve.probes" -}}
 {{- $port := int .values.port -}}
+{{- $check := dict "grpc" (dict "port" $port "service" "") }}
+{{- if include "pdserve.servesTls" . }}
+{{- $check = dict "tcpSocket" (dict "port" $port) }}
+{{- end -}}
 startupProbe:
-  grpc:
-    port: {{ $port }}
-    service: ""
-  {{- toYaml .values.probes.startup | nindent 2 }}
+  {{- toYaml (merge (deepCopy $check) .values.probes.startup) | nindent 2 }}
 readinessProbe:
-  grpc:
-    port: {{ $port }}
-    service: ""
-  {{- toYaml .values.probes.readiness | nindent 2 }}
+  {{- toYaml (merge (deepCopy $check) .values.probes.readiness) | nindent 2 }}
 livenessProbe:
-  grpc:
-    port: {{ $port }}
-    service: ""
-  {{- toYaml .values.probes.liveness | nindent 2 }}
+  {{- toYaml (merge (deepCopy $check) .values.probes.liveness) | nindent 2 }}
 {{- end }}
 
 {{/* Refuses a grace period that would cut the drain short (SIGKILL before it ends). */}}
