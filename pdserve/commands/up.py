@@ -128,6 +128,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="on SIGTERM, how long workers and the gateway let requests finish",
     )
+    moe = up.add_argument_group("expert load (MoE models; see pdserve prefill --help)")
+    moe.add_argument("--expert-load-interval-s", type=float, default=None, help="workers")
+    moe.add_argument("--expert-load-window-s", type=float, default=None, help="workers")
+    moe.add_argument("--expert-load-windows", type=int, default=None, help="workers")
     up.add_argument("--dtype", default=None)
     up.add_argument("--device", default=None)
     up.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
@@ -164,7 +168,10 @@ _FAILOVER_FLAGS = (
     "prefill_timeout_s", "decode_stall_timeout_s", "breaker_failures", "breaker_cooldown_s",
     "drain_grace_s",
 )  # fmt: skip
-_WORKER_FLAGS = ("blockstore_timeout_s", "lease_ttl_s", "drain_grace_s")
+_WORKER_FLAGS = (
+    "blockstore_timeout_s", "lease_ttl_s", "drain_grace_s",
+    "expert_load_interval_s", "expert_load_window_s", "expert_load_windows",
+)  # fmt: skip
 _DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
 
 
