@@ -26,6 +26,22 @@ def test_memory_summary_measures_growth_after_the_warm_up() -> None:
     assert summary["rss_end_mib"] == 702.0 and summary["rss_peak_mib"] == 702.0
     assert summary["growth_mib"] == 2.0
     assert 0 < summary["slope_mib_per_h"] < 10
+    # The second half (from 600 s): 700 -> 702.
+    assert summary["late_growth_mib"] == 2.0
+
+
+def test_a_cache_filling_past_the_warm_up_is_told_apart_by_the_second_half() -> None:
+    """The block store fills to its bound for minutes: growth after the warm-up is large,
+    the second half is flat. A leak grows in both."""
+    filling = MemoryTrack("blockstore", 1)
+    filling.samples = [(60.0 * i, min(500 + 100 * i, 1200) * MiB) for i in range(31)]
+    leaking = MemoryTrack("leaky", 2)
+    leaking.samples = [(60.0 * i, (500 + 10 * i) * MiB) for i in range(31)]
+    fill, leak = filling.summary(warmup_s=120.0), leaking.summary(warmup_s=120.0)
+    assert fill["growth_mib"] == 500.0 and fill["late_growth_mib"] == 0.0
+    assert fill["late_slope_mib_per_h"] == 0.0
+    assert leak["late_growth_mib"] == 150.0
+    assert leak["late_slope_mib_per_h"] == pytest.approx(600.0)
 
 
 def test_windows_split_requests_by_send_time() -> None:
