@@ -5,7 +5,7 @@ internal service (prefill, decode, KV transfer, block store) on its own port.
 No input may end INTERNAL or UNKNOWN, outlive its deadline, kill a process, log an ERROR, or
 leave a KV block held: afterwards every pool is entirely free again within 15 s, as after
 cancellations (test_cancellation.py). Examples are derandomized (the same every run);
-PDSERVE_FUZZ_EXAMPLES scales them (CI: the default, about a minute in all).
+PDSERVE_FUZZ_EXAMPLES_SCALE scales them (CI: the default, about a minute in all).
 """
 
 from __future__ import annotations
