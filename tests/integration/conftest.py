@@ -5,6 +5,7 @@ gateway; ``observed_stack`` a smaller one whose traces and metrics the tests rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -60,17 +62,31 @@ class Stack:
             time.sleep(0.25)
 
 
-@pytest.fixture(scope="session")
-def stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+S = TypeVar("S", bound=Stack)
+
+
+@contextlib.contextmanager
+def up_stack(
+    smollm_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    *up_args: str,
+    kind: type[S] = Stack,  # type: ignore[assignment]
+    env_drop: tuple[str, ...] = (),
+) -> Iterator[S]:
+    """``pdserve up --detach`` with 2 prefill and 2 decode workers in a run directory of its
+    own, plus ``up_args``; ``pdserve down`` at the end."""
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
-    run_dir = tmp_path_factory.mktemp("stack")
+    run_dir = tmp_path_factory.mktemp(name)
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir), "PDSERVE_LOG_LEVEL": "INFO"}
+    for key in env_drop:
+        env.pop(key, None)
     port = free_port()
-    stack = Stack(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
+    stack = kind(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(
         "up", "--detach", "--port", str(port), "--prefill", "2", "--decode", "2",
-        "--model", str(smollm_dir), "--kv-cache-memory", "256MiB", timeout=900,
+        "--model", str(smollm_dir), *up_args, timeout=900,
     )  # fmt: skip
     if started.returncode != 0:
         pytest.fail(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")
@@ -79,6 +95,12 @@ def stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         stopped = stack.cli("down", timeout=120)
         assert stopped.returncode == 0, stopped.stderr
+
+
+@pytest.fixture(scope="session")
+def stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with up_stack(smollm_dir, tmp_path_factory, "stack", "--kv-cache-memory", "256MiB") as up:
+        yield up
 
 
 @dataclass

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import time
 import uuid
@@ -43,8 +42,8 @@ from common.index.prefix_index import PrefixIndex
 from common.kv.hashing import hash_prompt_blocks
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient
-from pdserve.launcher import Child, StackState, free_port, start_redis, wait_redis
-from tests.integration.conftest import Stack
+from pdserve.launcher import Child, StackState, start_redis, wait_redis
+from tests.integration.conftest import Stack, up_stack
 from tests.prompts import QUESTIONS, passage
 
 pytestmark = pytest.mark.slow
@@ -100,30 +99,18 @@ class ChaosStack(Stack):
 
 @pytest.fixture(scope="module")
 def chaos(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
-    run_dir = tmp_path_factory.mktemp("chaos")
-    env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir), "PDSERVE_LOG_LEVEL": "INFO"}
-    port = free_port()
-    stack = ChaosStack(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
-    started = stack.cli(
-        "up", "--detach", "--port", str(port), "--prefill", "2", "--decode", "2",
-        "--model", str(smollm_dir), "--kv-cache-memory", "160MiB",
+    with up_stack(
+        smollm_dir, tmp_path_factory, "chaos", "--kv-cache-memory", "160MiB",
         "--prefill-timeout-s", str(PREFILL_TIMEOUT_S), "--kv-pull-timeout-s", "3",
         "--decode-stall-timeout-s", str(DECODE_STALL_TIMEOUT_S),
         "--blockstore-timeout-s", "1", "--breaker-failures", str(BREAKER_FAILURES),
-        "--breaker-cooldown-s", str(BREAKER_COOLDOWN_S),
-        timeout=900,
-    )  # fmt: skip
-    if started.returncode != 0:
-        pytest.fail(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")
-    try:
-        yield stack
-    finally:
-        for pid in stack.stopped:
-            os.kill(pid, signal.SIGCONT)
-        stopped = stack.cli("down", timeout=120)
-        assert stopped.returncode == 0, stopped.stderr
+        "--breaker-cooldown-s", str(BREAKER_COOLDOWN_S), kind=ChaosStack,
+    ) as stack:  # fmt: skip
+        try:
+            yield stack
+        finally:
+            for pid in stack.stopped:
+                os.kill(pid, signal.SIGCONT)
 
 
 # -- the steady load -----------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -39,8 +38,7 @@ from common.engine.sampling_params import SamplingParams
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
-from pdserve.launcher import free_port
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, up_stack
 from tests.prompts import prompt_with_context
 
 pytestmark = pytest.mark.slow
@@ -75,25 +73,11 @@ JOBS = [Job(i, prompt_with_context(i % 6, i), GREEDY) for i in range(16)] + [
 
 @pytest.fixture(scope="module")
 def chaos_stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
-    run_dir = tmp_path_factory.mktemp("chaos")
-    env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir), "PDSERVE_LOG_LEVEL": "INFO"}
-    env.pop("PDSERVE_METRICS_PORT", None)
-    port = free_port()
-    stack = Stack(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
-    started = stack.cli(
-        "up", "--detach", "--port", str(port), "--prefill", "2", "--decode", "2",
-        "--model", str(smollm_dir), "--kv-cache-memory", "256MiB",
-        "--drain-grace-s", str(GRACE_S), timeout=900,
-    )  # fmt: skip
-    if started.returncode != 0:
-        pytest.fail(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")
-    try:
+    with up_stack(
+        smollm_dir, tmp_path_factory, "chaos", "--kv-cache-memory", "256MiB",
+        "--drain-grace-s", str(GRACE_S), env_drop=("PDSERVE_METRICS_PORT",),
+    ) as stack:  # fmt: skip
         yield stack
-    finally:
-        stopped = stack.cli("down", timeout=120)
-        assert stopped.returncode == 0, stopped.stderr
 
 
 async def complete(
