@@ -19,9 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.kv.v1 import (
@@ -205,7 +206,18 @@ def test_fuzzed_gateway_requests(stack: Stack, baseline: list[str]) -> None:
     }
     tally = Tally()
 
+    # Besides the drawn inputs, one well-formed request of each kind runs every time, so
+    # that whatever the Hypothesis version draws, the checks below see real generation.
     @examples(150)
+    @example(
+        gateway_pb2.GenerateRequest(
+            model=model,
+            prompt="Say hello.",
+            sampling=common_pb2.SamplingParams(max_tokens=2),
+        ),
+        gateway_pb2.TokenizeRequest(model=model, prompt="hello"),
+        gateway_pb2.GetModelInfoRequest(),
+    )
     @given(
         messages(gateway_pb2.GenerateRequest, overrides),
         messages(gateway_pb2.TokenizeRequest, overrides),
@@ -258,20 +270,36 @@ def test_fuzzed_internal_requests(stack: Stack, baseline: list[str]) -> None:
     }
     tally = Tally()
 
+    good = common_pb2.SamplingParams(max_tokens=2)
+
     @examples(60)
+    @example(  # well-formed, run every time (see test_fuzzed_gateway_requests)
+        prefill_pb2.PrefillRequest(
+            request_id="fuzz-good", prompt_token_ids=[1, 2, 3, 4], sampling=good
+        ),
+        decode_pb2.DecodeRequest(
+            request_id="fuzz-good",
+            prompt_token_ids=[1, 2, 3, 4],
+            sampling=good,
+            local_prefill=True,
+        ),
+        kv_transfer_pb2.PullBlocksRequest(lease_id="none", request_id="fuzz-good"),
+        kv_transfer_pb2.ReleaseLeaseRequest(lease_id="none"),
+        True,
+    )
     @given(
         messages(prefill_pb2.PrefillRequest, overrides, REQUIRED),
         messages(decode_pb2.DecodeRequest, overrides, REQUIRED),
         messages(kv_transfer_pb2.PullBlocksRequest, overrides, REQUIRED),
         messages(kv_transfer_pb2.ReleaseLeaseRequest, overrides),
-        st.data(),
+        st.booleans(),
     )
     def fuzz(
         prefill_request: prefill_pb2.PrefillRequest,
         decode_request: decode_pb2.DecodeRequest,
         pull: kv_transfer_pb2.PullBlocksRequest,
         release: kv_transfer_pb2.ReleaseLeaseRequest,
-        data: st.DataObject,
+        pull_from_prefill: bool,
     ) -> None:
         async def on_prefill() -> Outcome:
             async with grpc.aio.insecure_channel(prefill) as channel:
@@ -300,7 +328,7 @@ def test_fuzzed_internal_requests(stack: Stack, baseline: list[str]) -> None:
 
         timed(tally, "Prefill", prefill_request, on_prefill)
         timed(tally, "Decode", decode_request, on_decode)
-        target = data.draw(st.sampled_from([prefill, decode]))
+        target = prefill if pull_from_prefill else decode
         timed(tally, "KvTransfer", (pull, release), lambda: on_transfer(target))
 
     fuzz()
