@@ -514,16 +514,17 @@ class WorkerRuntime:
                 {"pdserve.kv.source": BLOCK_STORE, "pdserve.kv.num_blocks_wanted": len(hashes)}
             )
             try:
-                local = await self.loop.call(
-                    lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
-                )
                 store = self.store
                 present = await self.store_call(
                     store.contains(hashes, timeout_s=self.store_timeout(timeout_s))
                 )
-                span.set_attributes(
-                    {"pdserve.kv.local_tokens": local, "pdserve.kv.store_blocks": present}
+                span.set_attribute("pdserve.kv.store_blocks", present)
+                if present == 0:
+                    return None  # without asking the engine, which answers between steps
+                local = await self.loop.call(
+                    lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
                 )
+                span.set_attribute("pdserve.kv.local_tokens", local)
                 if present * block_size <= local:
                     return None
                 start = time.perf_counter()
