@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache element type; auto = the model dtype, int8 / fp8 (e4m3) store codes "
         "with a scale per block and kv head (env PDSERVE_KV_DTYPE)",
     )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: one per core; env PDSERVE_NUM_THREADS); with "
+        "several engines on one machine give each its share of the cores",
+    )
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
 
 
@@ -60,5 +67,6 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
         kv_dtype=args.kv_dtype,
+        num_threads=args.threads,
         enable_prefix_caching=False if args.no_prefix_caching else None,
     )

@@ -46,6 +46,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
     kv_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 quantize the KV cache
     hash_seed: str = ""
+    # torch's CPU threads for this process; None = torch's default (one per core). Several
+    # engines on one machine should share its cores out: more threads than cores make
+    # every parallel region wait on a thread that is not running (pdserve up does this).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -57,6 +61,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
@@ -74,8 +80,11 @@ class EngineConfig:
             "kv_cache_memory": os.environ.get("PDSERVE_KV_CACHE_MEMORY"),
             "device": os.environ.get("PDSERVE_DEVICE"),
             "kv_dtype": os.environ.get("PDSERVE_KV_DTYPE"),
+            "num_threads": os.environ.get("PDSERVE_NUM_THREADS"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
+        if "num_threads" in values:
+            values["num_threads"] = int(str(values["num_threads"]))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(model=model, **values)  # type: ignore[arg-type]
 

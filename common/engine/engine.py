@@ -91,6 +91,8 @@ class Engine:
     def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
         self.config = config
         self.spec = spec or load_spec(config.model)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         start = time.monotonic()
         self.runner = ModelRunner(config, self.spec)
         self.block_size = config.block_size
@@ -111,12 +113,13 @@ class Engine:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         log.info(
-            "engine ready in %.1fs: %s, %d KV blocks (%d tokens), max_model_len %d",
+            "engine ready in %.1fs: %s, %d KV blocks (%d tokens), max_model_len %d, %d CPU threads",
             time.monotonic() - start,
             self.spec.architecture,
             self.runner.num_blocks,
             capacity,
             self.max_model_len,
+            torch.get_num_threads(),
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -135,6 +135,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--dtype", default=None)
     up.add_argument("--device", default=None)
     up.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
+    up.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="torch CPU threads of each prefill and decode worker; default: this machine's "
+        "cores shared out among them (at least 1 each); 0 = torch's default in each",
+    )
     up.add_argument("--num-kv-blocks", type=int, default=None)
     up.add_argument("--max-num-seqs", type=int, default=None)
     up.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -173,6 +180,15 @@ _WORKER_FLAGS = (
     "expert_load_interval_s", "expert_load_window_s", "expert_load_windows",
 )  # fmt: skip
 _DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
+
+
+def threads_per_worker(args: argparse.Namespace) -> int | None:
+    """Each worker's CPU threads: the cores this process may use, shared out among the
+    workers, unless given (0 = leave it to torch, which takes every core in each)."""
+    if args.threads_per_worker is not None:
+        return args.threads_per_worker or None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, args.prefill + args.decode))
 
 
 def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
@@ -255,12 +271,14 @@ def run_up(args: argparse.Namespace) -> int:
                                   [*python, "blockstore", "--port", str(port), "--worker-id", "blockstore-0"],
                                   f"127.0.0.1:{port}"))  # fmt: skip
             store_flags = ["--blockstore", f"127.0.0.1:{port}"]
+        threads = threads_per_worker(args)
+        thread_flags = ["--threads", str(threads)] if threads else []
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port = free_port()
                 argv = [*python, role, "--port", str(port), "--model", model,
                         "--worker-id", f"{role}-{i}", *store_flags, *_engine_flags(args),
-                        *_engine_flags(args, _WORKER_FLAGS)]  # fmt: skip
+                        *_engine_flags(args, _WORKER_FLAGS), *thread_flags]  # fmt: skip
                 if role == "decode":
                     argv += _engine_flags(args, _DECODE_FLAGS)
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))

@@ -264,6 +264,26 @@ def test_workers_advertise_their_pod_address_and_use_the_block_store(role: str) 
     assert container["args"][0] == role
 
 
+@pytest.mark.parametrize(
+    ("resources", "threads", "want"),
+    [
+        ({"limits": {"cpu": "4"}}, 0, "4"),  # the chart's default: whole cores of the limit
+        ({"limits": {"cpu": 3}}, 0, "3"),
+        ({"limits": {"cpu": "2500m"}}, 0, "2"),
+        ({"limits": {"cpu": "1.5"}}, 0, "1"),
+        ({"limits": {"cpu": "500m"}}, 0, "1"),  # never 0 threads
+        ({"limits": {"cpu": "4"}}, 6, "6"),  # as given
+        ({"limits": {"cpu": None, "memory": "6Gi"}}, 0, None),  # no CPU limit: torch's default
+    ],
+)
+def test_worker_threads_follow_the_cpu_limit_unless_given(
+    resources: dict[str, Any], threads: int, want: str | None
+) -> None:
+    rendered = render({role: {"resources": resources, "threads": threads} for role in WORKER_ROLES})
+    for role in WORKER_ROLES:
+        assert flag(pdserve_container(rendered.deployment(role)), "threads") == want, role
+
+
 @variant_names
 def test_every_service_selects_pods_and_names_their_ports(variant: str) -> None:
     rendered = render(VARIANTS[variant])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.engine.config import EngineConfig
 from pdserve.cli import build_parser
 from pdserve.commands.up import (
     _DECODE_FLAGS,
@@ -13,7 +14,9 @@ from pdserve.commands.up import (
     _GATEWAY_FLAGS,
     _WORKER_FLAGS,
     _engine_flags,
+    threads_per_worker,
 )
+from pdserve.engine_args import engine_config_from_args
 
 UP_ARGV = [
     "up", "--decode-stall-timeout-s", "7", "--prefill-timeout-s", "9", "--expert-load-interval-s",
@@ -50,3 +53,32 @@ def test_expert_load_and_stall_flags_are_forwarded() -> None:
         "30.0", "--expert-load-windows", "12",
     ]  # fmt: skip
     assert "--decode-stall-timeout-s" in _engine_flags(up, _FAILOVER_FLAGS)
+
+
+def test_workers_share_the_cores_out_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    parser = build_parser()
+
+    def threads(*argv: str) -> int | None:
+        return threads_per_worker(parser.parse_args(["up", *argv]))
+
+    assert threads() == 4  # 8 cores, 1 prefill + 1 decode worker
+    assert threads("--prefill", "2", "--decode", "2") == 2
+    assert threads("--prefill", "4", "--decode", "6") == 1  # never 0
+    assert threads("--threads-per-worker", "3") == 3
+    assert threads("--threads-per-worker", "0") is None  # torch's default: every core
+    # The value reaches the worker's engine config.
+    worker = parser.parse_args(["prefill", "--threads", "3"])
+    assert engine_config_from_args(worker, "model").num_threads == 3
+
+
+def test_num_threads_comes_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_NUM_THREADS", "2")
+    assert EngineConfig.from_env("model").num_threads == 2
+    assert EngineConfig.from_env("model", num_threads=5).num_threads == 5
+    monkeypatch.delenv("PDSERVE_NUM_THREADS")
+    assert EngineConfig.from_env("model").num_threads is None
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(model="model", num_threads=0)

@@ -359,3 +359,19 @@ metadata:
 {{- end }}
 {{- toYaml $resources }}
 {{- end }}
+
+{{/* A worker's torch CPU threads: .values.threads, or when 0 the whole cores of its CPU
+limit (at least 1); empty without a limit. */}}
+{{- define "pdserve.threads" -}}
+{{- $threads := int (default 0 .values.threads) }}
+{{- $cpu := toString (dig "limits" "cpu" "" (default dict .values.resources)) }}
+{{- if and (eq $threads 0) $cpu }}
+{{- if hasSuffix "m" $cpu }}
+{{- $threads = div (atoi (trimSuffix "m" $cpu)) 1000 }}
+{{- else }}
+{{- $threads = int (floor (float64 $cpu)) }}
+{{- end }}
+{{- $threads = max $threads 1 }}
+{{- end }}
+{{- if gt $threads 0 }}{{ $threads }}{{ end }}
+{{- end }}
