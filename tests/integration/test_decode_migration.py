@@ -6,9 +6,9 @@ seeded-sampling request). Then:
 
 - a rolling restart (``pdserve restart NAME``: SIGTERM, drain, start again; each worker in
   turn, each while it has requests under way) under a steady load: every request completes
-  with exactly its undisturbed tokens; the decode workers' streams outlive their 1 s drain
-  grace period, so some move on to the other decode worker (migrations with reason
-  ``draining``);
+  with exactly its undisturbed tokens; before each decode worker's restart the load starts
+  long streams afresh, which outlive the 1 s drain grace period, so some move on to the
+  other decode worker (migrations with reason ``draining``);
 - a decode worker SIGKILLed while 17 streams run, after each of them has received some
   tokens: all complete, token- and text-identical to their undisturbed runs. The streams of
   the killed worker continue on the other one, which imports the prompt blocks and the full
@@ -201,14 +201,21 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(
     async def run() -> list[tuple[Job, RemoteCompletion | BaseException]]:
         client = GatewayClient(stack.target)
         done = asyncio.Event()
+        go = asyncio.Event()  # the load loops start requests while set
+        go.set()
+        max_tokens = LOAD_TOKENS
+        in_flight = 0
         results: list[tuple[Job, RemoteCompletion | BaseException]] = []
 
         async def load(loop: int) -> None:
+            nonlocal in_flight
             n = 0
             while not done.is_set():
+                await go.wait()
                 job = JOBS[(loop + n * NUM_LOAD_LOOPS) % len(JOBS)]
-                job = Job(job.index, job.prompt, replace(job.sampling, max_tokens=LOAD_TOKENS))
+                job = Job(job.index, job.prompt, replace(job.sampling, max_tokens=max_tokens))
                 n += 1
+                in_flight += 1
                 try:
                     # A salt of its own: nothing cached, every request prefills and moves KV.
                     result = await complete(client, job, f"roll-{loop}-{n}")
@@ -216,18 +223,33 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(
                     results.append((job, exc))
                 else:
                     results.append((job, result))
+                finally:
+                    in_flight -= 1
+
+        async def fresh_long_streams(name: str) -> None:
+            """Every load loop starts a MAX_TOKENS request at once, and one runs on decode
+            worker ``name``: young streams, sure to outlive the drain grace period (streams
+            of the short load may be near their end by the time SIGTERM arrives)."""
+            nonlocal max_tokens
+            go.clear()
+            while in_flight:
+                await asyncio.sleep(0.05)
+            max_tokens = MAX_TOKENS
+            go.set()
+            await asyncio.to_thread(wait_streams, stack, name, 1)
 
         loops = [asyncio.create_task(load(i)) for i in range(NUM_LOAD_LOOPS)]
         try:
             await asyncio.sleep(2.0)  # requests under way before the first SIGTERM
             for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
-                if name.startswith("decode"):  # whose streams outlive the grace period
-                    await asyncio.to_thread(wait_streams, stack, name, 2)
+                if name.startswith("decode"):
+                    await fresh_long_streams(name)
                 restart = await asyncio.to_thread(stack.cli, "restart", name, timeout=900)
                 assert restart.returncode == 0, restart.stdout + restart.stderr
             await asyncio.sleep(2.0)  # and some requests after the last worker is back
         finally:
             done.set()
+            go.set()
             await asyncio.gather(*loops)
             await client.close()
         return results
@@ -238,10 +260,10 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(
     assert len(results) >= 2 * NUM_LOAD_LOOPS
     for job, result in results:
         assert isinstance(result, RemoteCompletion)
-        # Shorter than the undisturbed run (max_tokens is all that differs): its beginning.
+        # The undisturbed run, or its beginning (max_tokens is all that differs).
         want = undisturbed[job.index]
         assert result.finish_reason == "length", (job, result)
-        assert result.token_ids == want.token_ids[:LOAD_TOKENS], job
+        assert result.token_ids == want.token_ids[: job.sampling.max_tokens], job
         assert want.text.startswith(result.text), job
 
     # Every worker is a new process, serving; the gateway saw drained streams move on.
