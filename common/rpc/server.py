@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.heap import freeze_startup_heap
 from common.rpc.malformed import MalformedRequestInterceptor
 from common.rpc.options import SERVER_OPTIONS
 
@@ -112,7 +113,9 @@ async def serve_until_signal(
 ) -> None:
     """Runs until SIGTERM/SIGINT, then drains gracefully: health goes NOT_SERVING, then
     ``drain(grace_s)`` (when given: the server keeps serving while it runs, and stops
-    after it with a short grace) or else the server's own ``grace_s``; then ``on_stop``."""
+    after it with a short grace) or else the server's own ``grace_s``; then ``on_stop``.
+    Start-up is over when this is called: the heap it left is frozen (common/heap.py)."""
+    freeze_startup_heap()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

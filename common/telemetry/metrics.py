@@ -8,8 +8,11 @@ the library's global one), so several services can share a test process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
@@ -134,15 +137,51 @@ class RedisHealth:
         self.errors.labels(operation).inc()
 
 
+# A collection of a few new objects (microseconds) to a full one over a large heap (100s of ms).
+GC_BUCKETS_S = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
+# Every gc_pause_seconds histogram of this process; one gc callback feeds them all.
+_gc_pause_histograms: weakref.WeakSet[Histogram] = weakref.WeakSet()
+_gc_started_at: list[float] = []  # perf_counter() of the collection under way
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started_at[:] = [time.perf_counter()]
+    elif _gc_started_at:
+        elapsed = time.perf_counter() - _gc_started_at.pop()
+        for histogram in list(_gc_pause_histograms):
+            histogram.labels(str(info["generation"])).observe(elapsed)
+
+
+def gc_pause_histogram(registry: CollectorRegistry) -> Histogram:
+    """``gc_pause_seconds`` by generation: how long each garbage collection held the GIL,
+    which stops every thread of the process (the engine's too)."""
+    histogram = Histogram(
+        metric_name("gc_pause_seconds"),
+        "Time each garbage collection stopped the process, by generation.",
+        ["generation"], registry=registry, buckets=GC_BUCKETS_S,
+    )  # fmt: skip
+    _gc_pause_histograms.add(histogram)
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+    return histogram
+
+
 def process_registry() -> CollectorRegistry:
     """The registry a service process serves: its own metrics plus CPU, memory, file
-    descriptors, GC and Python version, as every exporter shows. Turns off the
-    ``*_created`` series process-wide (as vLLM does): they double the page for nothing."""
+    descriptors, GC (with pause times) and Python version, as every exporter shows. Turns
+    off the ``*_created`` series process-wide (as vLLM does): they double the page for
+    nothing."""
     disable_created_metrics()
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
+    gc_pause_histogram(registry)
     return registry
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
+from common.heap import freeze_startup_heap
 from common.telemetry import metrics as telemetry_metrics
 from common.telemetry.metrics import RequestMetrics, Samples, scrape, start_metrics_server
 from common.worker import metrics as worker_metrics
@@ -135,3 +137,31 @@ def test_block_store_figures() -> None:
     assert samples.sum("pdserve:blockstore_capacity_bytes") == 1 << 20
     assert samples.sum("pdserve:blockstore_blocks") == 0
     assert samples.sum("pdserve:blockstore_used_bytes", state="committed") == 0
+
+
+def test_gc_pauses_are_timed_by_generation() -> None:
+    registry = CollectorRegistry()
+    telemetry_metrics.gc_pause_histogram(registry)
+    before = samples_of(registry).sum("pdserve:gc_pause_seconds_count", generation="2")
+    garbage = [[] for _ in range(50_000)]
+    for item in garbage:
+        item.append(item)  # cycles: only the collector frees them
+    del garbage
+    gc.collect()
+    samples = samples_of(registry)
+    assert samples.sum("pdserve:gc_pause_seconds_count", generation="2") >= before + 1
+    assert samples.sum("pdserve:gc_pause_seconds_sum", generation="2") > 0
+    gc.collect(0)
+    assert samples_of(registry).sum("pdserve:gc_pause_seconds_count", generation="0") >= 1
+
+
+def test_frozen_start_up_heap_is_out_of_the_collectors_sight() -> None:
+    kept = [[i] for i in range(100_000)]  # long-lived objects, as after start-up
+    try:
+        assert freeze_startup_heap() >= len(kept)
+        assert gc.get_freeze_count() >= len(kept)
+        # A full collection no longer walks them: it sees only what came after the freeze.
+        tracked = len(gc.get_objects(generation=2))
+        assert tracked < len(kept)
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as before
