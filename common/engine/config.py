@@ -5,16 +5,27 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a config is turned into torch objects, so that
+    import torch  # the CLI (pdserve health, a probe run every few seconds) starts fast
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 # KV cache element types: the float dtypes, or int8 / fp8 (e4m3fn) codes with block scales.
-KV_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+KV_DTYPES = (*DTYPES, "int8", "fp8")
+_TORCH_NAMES = {"fp8": "float8_e4m3fn"}
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a name of DTYPES or KV_DTYPES."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, _TORCH_NAMES.get(name, name))
+    return dtype
 
 
 def parse_memory_budget(text: str, total_bytes: int) -> int:
@@ -90,6 +101,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -97,11 +110,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+            return torch_dtype_of("bfloat16" if self.torch_device.type == "cuda" else "float32")
+        return torch_dtype_of(self.dtype)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         if self.kv_dtype == "auto":
             return self.torch_dtype
-        return KV_DTYPES[self.kv_dtype]
+        return torch_dtype_of(self.kv_dtype)

@@ -30,6 +30,11 @@ def pdserve_commands(values: dict[str, Any]) -> list[tuple[str, list[str]]]:
                 re.sub(r"\$\((\w+)\)", lambda m: POD_ENV[m.group(1)], a) for a in container["args"]
             ]
             commands.append((container["name"], argv))
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                command = container.get(probe, {}).get("exec", {}).get("command")
+                if command:  # the image's pdserve, run in the container (no $(VAR) there)
+                    assert command[0] == "pdserve", (container["name"], probe)
+                    commands.append((f"{container['name']} {probe}", command[1:]))
     return commands
 
 
@@ -59,6 +64,8 @@ def check_accepted(values: dict[str, Any]) -> set[str]:
 def test_pdserve_accepts_every_rendered_command_line(variant: str) -> None:
     seen = check_accepted(VARIANTS[variant])
     expected = {"gateway", "prefill", "decode", "convert", "generate"}
+    if VARIANTS[variant].get("mtls", {}).get("enabled"):
+        expected.add("health")  # the probes of mTLS ports
     if VARIANTS[variant].get("blockstore", {}).get("enabled", True):
         expected.add("blockstore")
     if not VARIANTS[variant].get("model", {}).get("convert", {}).get("enabled", True):
@@ -75,3 +82,21 @@ def test_workers_get_their_pod_identity() -> None:
     decode = parse(argvs["decode"])
     assert (decode.advertise, decode.worker_id) == ("10.1.2.3:50053", POD_ENV["POD_NAME"])
     assert decode.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("variant", ["mtls-shared-secret", "mtls-per-role"])
+def test_mtls_probes_check_the_process_with_its_own_certificate(variant: str) -> None:
+    commands = dict(pdserve_commands(VARIANTS[variant]))
+    probed = set()
+    for name, argv in commands.items():
+        if not name.endswith("Probe"):
+            continue
+        container = name.split()[0]
+        probe, process = parse(argv), parse(commands[container])
+        assert probe.command == "health"
+        assert probe.target == f"127.0.0.1:{process.port}", name
+        assert (probe.tls_cert, probe.tls_key, probe.tls_ca) == (
+            process.tls_cert, process.tls_key, process.tls_ca
+        ), name  # fmt: skip
+        probed.add(container)
+    assert probed == {"prefill", "decode", "blockstore"}  # the gateway's port is plaintext

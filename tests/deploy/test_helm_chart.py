@@ -87,6 +87,16 @@ def test_every_object_matches_the_kubernetes_schema(variant: str, kube_version: 
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
 
 
+MTLS_DIR = "/etc/pdserve/mtls"
+
+
+def probe_name(role: str) -> str:
+    """The name an mTLS probe checks the role's certificate for: a worker's wildcard SAN
+    covers any name under its headless Service; the block store holds its Service name."""
+    service = service_address(role, 0).rsplit(":", 1)[0]
+    return service if role == "blockstore" else f"probe.{service}"
+
+
 def serves_tls(variant: str, role: str) -> bool:
     """Whether the role's gRPC port serves TLS in the variant (mTLS; the gateway's publicTls)."""
     values = VARIANTS[variant]
@@ -101,15 +111,23 @@ def test_every_deployment_probes_its_grpc_port(variant: str) -> None:
         container = pdserve_container(render(VARIANTS[variant]).deployment(role))
         grpc_ports = [p["containerPort"] for p in container["ports"] if p["name"] == "grpc"]
         assert len(grpc_ports) == 1, role
-        # kubelet's gRPC probe speaks neither TLS nor mTLS: a TLS port gets a TCP connect.
-        expected = (
-            ("tcpSocket", {"port": grpc_ports[0]})
-            if serves_tls(variant, role)
-            else ("grpc", {"port": grpc_ports[0], "service": ""})
-        )
+        # kubelet's gRPC probe speaks neither TLS nor mTLS: under mTLS the container runs
+        # `pdserve health` with its certificate; the public TLS port gets a TCP connect.
+        port = grpc_ports[0]
+        expected: tuple[str, Manifest] = ("grpc", {"port": port, "service": ""})
+        if serves_tls(variant, role) and role == "gateway":
+            expected = ("tcpSocket", {"port": port})
+        elif serves_tls(variant, role):
+            expected = ("exec", {"command": [
+                "pdserve", "health", f"--target=127.0.0.1:{port}",
+                f"--server-name={probe_name(role)}", f"--tls-cert={MTLS_DIR}/tls.crt",
+                f"--tls-key={MTLS_DIR}/tls.key", f"--tls-ca={MTLS_DIR}/ca.crt",
+            ]})  # fmt: skip
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             checks = [(key, value) for key, value in container[probe].items() if key in PROBE_KINDS]
             assert checks == [expected], (role, probe)
+            if expected[0] == "exec":  # Python starts in the probe's time
+                assert container[probe]["timeoutSeconds"] >= 5, (role, probe)
         assert flag(container, "port") == str(grpc_ports[0])
 
 

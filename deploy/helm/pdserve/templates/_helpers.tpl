@@ -201,23 +201,47 @@ container starts, so no credential is written into a manifest.
 
 {{/*
 Startup, readiness and liveness probes on the role's port: grpc.health.v1 where the port
-serves plaintext. Where it serves TLS (mtls, or the gateway's publicTls) kubelet's gRPC probe
-cannot connect (no TLS, no client certificate) and pdserve has no health command to exec,
-so the fallback is a TCP connect: it sees the port bound (after the model is loaded), not
-NOT_SERVING while draining, nor a hung process whose socket still accepts.
+serves plaintext. kubelet's gRPC probe speaks no TLS, so under mutual TLS the probe execs
+`pdserve health` in the container, with the role's own certificate and the name its
+certificate holds (the same health check: NOT_SERVING while draining fails readiness).
+The gateway's public TLS port falls back to a TCP connect: its Secret need not hold the CA
+that signed it. An exec probe starts Python, so it gets at least EXEC_TIMEOUT_S.
 */}}
 {{- define "pdserve.probes" -}}
 {{- $port := int .values.port -}}
 {{- $check := dict "grpc" (dict "port" $port "service" "") }}
+{{- $exec := false }}
 {{- if include "pdserve.servesTls" . }}
+{{- if and (ne .role "gateway") .root.Values.mtls.enabled }}
+{{- $dir := include "pdserve.mtlsDir" . }}
+{{- $command := list "pdserve" "health" (printf "--target=127.0.0.1:%d" $port)
+      (printf "--server-name=%s" (include "pdserve.tlsProbeName" .))
+      (printf "--tls-cert=%s/tls.crt" $dir) (printf "--tls-key=%s/tls.key" $dir)
+      (printf "--tls-ca=%s/ca.crt" $dir) }}
+{{- $check = dict "exec" (dict "command" $command) }}
+{{- $exec = true }}
+{{- else }}
 {{- $check = dict "tcpSocket" (dict "port" $port) }}
-{{- end -}}
-startupProbe:
-  {{- toYaml (merge (deepCopy $check) .values.probes.startup) | nindent 2 }}
-readinessProbe:
-  {{- toYaml (merge (deepCopy $check) .values.probes.readiness) | nindent 2 }}
-livenessProbe:
-  {{- toYaml (merge (deepCopy $check) .values.probes.liveness) | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- range $probe, $key := dict "startup" "startupProbe" "readiness" "readinessProbe" "liveness" "livenessProbe" }}
+{{- $settings := deepCopy (index $.values.probes $probe) }}
+{{- if $exec }}
+{{- $_ := set $settings "timeoutSeconds" (max 5 (int (default 1 $settings.timeoutSeconds))) }}
+{{- end }}
+{{ $key }}:
+  {{- toYaml (merge (deepCopy $check) $settings) | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The name a role's certificate holds, for a probe that dials 127.0.0.1: workers register
+their pod's DNS name, which the wildcard SAN *.<service>.<namespace>.svc.<domain> covers
+(any one label does); the block store is dialled by its Service name.
+*/}}
+{{- define "pdserve.tlsProbeName" -}}
+{{- $service := include "pdserve.serviceHost" (dict "root" .root "name" (include "pdserve.roleName" .)) }}
+{{- if eq .role "blockstore" }}{{ $service }}{{ else }}{{ printf "probe.%s" $service }}{{ end }}
 {{- end }}
 
 {{/* Refuses a grace period that would cut the drain short (SIGKILL before it ends). */}}
