@@ -207,6 +207,27 @@ def test_internal_ports_refuse_peers_without_a_certificate_of_the_stack_ca(
     ).read_text(errors="replace")
 
 
+def test_pdserve_health_checks_every_mtls_port_with_a_stack_certificate(
+    secure_stack: Stack, tmp_path: Path
+) -> None:
+    """What the chart's probes run: exit 0 with a certificate of the stack's CA, 2 without
+    one or with another CA's."""
+    tls_dir = secure_stack.run_dir / "tls"
+    member = ["--tls-cert", str(tls_dir / "launcher.pem"), "--tls-key",
+              str(tls_dir / "launcher.key"), "--tls-ca", str(tls_dir / "ca.pem")]  # fmt: skip
+    stranger = make_ca(tmp_path / "other").issue("stranger", tmp_path / "other")
+    strange = ["--tls-cert", str(stranger.cert), "--tls-key", str(stranger.key),
+               "--tls-ca", str(tls_dir / "ca.pem")]  # fmt: skip
+    for name in ("prefill-0", "decode-0", "blockstore"):
+        target = address_of(secure_stack, name)
+        checked = secure_stack.cli("health", "--target", target, *member, timeout=60)
+        assert checked.returncode == 0, (name, checked.stdout, checked.stderr)
+        assert checked.stdout.strip() == f"{target}: SERVING"
+        for flags in ([], strange):
+            refused = secure_stack.cli("health", "--target", target, *flags, timeout=60)
+            assert refused.returncode == 2, (name, flags, refused.stdout, refused.stderr)
+
+
 def test_redis_wants_the_password_and_a_certificate(secure_stack: Stack) -> None:
     url = state_of(secure_stack).redis_url
     assert url.startswith("rediss://:") and "@127.0.0.1:" in url
