@@ -4,8 +4,10 @@
    prefill -> KV pull -> decode, every hop a gRPC call between processes) and through the
    in-process engine, at concurrency 1 and 16 (closed loop). The ratio is the service
    overhead.
-2. KV transfer: GB/s of a KvTransferService.PullBlocks stream (chunks of 4 MiB with
-   CRC-32C, reassembled and checked) against a raw loopback TCP socket moving the same bytes.
+2. KV transfer: GB/s of a KvTransferService.PullBlocks stream (chunks of up to 4 MiB with
+   CRC-32C, reassembled and checked) against a raw loopback TCP socket moving the same bytes,
+   and against the same stream between processes without pdserve's malloc tuning
+   (common/heap.py).
 
     .venv/bin/python loadtest/bench_stack.py [--target HOST:PORT] [--model PATH]
 
@@ -131,7 +133,11 @@ def engine_run(
 # -- KV transfer --------------------------------------------------------------------------------
 
 
-def _serve_kv(num_blocks: int, port_queue: mp.Queue) -> None:
+def _serve_kv(num_blocks: int, port_queue: mp.Queue, tuned: bool = True) -> None:
+    if tuned:  # as every pdserve process does at start (pdserve/cli.py)
+        from common.heap import tune_malloc
+
+        tune_malloc()
     from common.kv.layout import KvLayout
     from common.kv.leases import LeaseTable
     from common.kv.transfer import KvTransferServicer
@@ -210,14 +216,40 @@ def tcp_gbps(port: int, num_bytes: int, repeats: int) -> float:
     return num_bytes * repeats / (time.perf_counter() - start) / 1e9
 
 
+def _pull_client(
+    port: int, lease_id: str, num_blocks: int, repeats: int, tuned: bool, out: mp.Queue
+) -> None:
+    if tuned:
+        from common.heap import tune_malloc
+
+        tune_malloc()
+    out.put(asyncio.run(grpc_pull_gbps(port, lease_id, num_blocks, repeats)))
+
+
+def grpc_pull_in_processes(num_blocks: int, repeats: int, tuned: bool) -> tuple[float, int]:
+    """A producer and a consumer process, both with pdserve's malloc tuning or neither."""
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    server = ctx.Process(target=_serve_kv, args=(num_blocks, queue, tuned), daemon=True)
+    server.start()
+    try:
+        port, lease_id = queue.get(timeout=120)
+        client = ctx.Process(
+            target=_pull_client, args=(port, lease_id, num_blocks, repeats, tuned, queue)
+        )
+        client.start()
+        rate, num_bytes = queue.get(timeout=600)
+        client.join()
+    finally:
+        server.terminate()
+    return rate, num_bytes
+
+
 def kv_transfer(num_blocks: int, repeats: int) -> None:
+    baseline, num_bytes = grpc_pull_in_processes(num_blocks, repeats, tuned=False)
+    grpc_rate, _ = grpc_pull_in_processes(num_blocks, repeats, tuned=True)
     ctx = mp.get_context("spawn")
     ports: mp.Queue = ctx.Queue()
-    grpc_server = ctx.Process(target=_serve_kv, args=(num_blocks, ports), daemon=True)
-    grpc_server.start()
-    port, lease_id = ports.get(timeout=120)
-    grpc_rate, num_bytes = asyncio.run(grpc_pull_gbps(port, lease_id, num_blocks, repeats))
-    grpc_server.terminate()
     tcp_server = ctx.Process(target=_serve_tcp, args=(num_bytes, ports), daemon=True)
     tcp_server.start()
     tcp_rate = tcp_gbps(ports.get(timeout=60), num_bytes, repeats)
@@ -226,7 +258,9 @@ def kv_transfer(num_blocks: int, repeats: int) -> None:
         f"KV transfer, {num_bytes / 2**20:.0f} MiB per pull ({num_blocks} SmolLM2 blocks), {repeats} pulls:"
     )
     print(f"  KvTransferService.PullBlocks  {grpc_rate:6.2f} GB/s")
+    print(f"  ... glibc malloc defaults     {baseline:6.2f} GB/s (without common/heap.py's tuning)")
     print(f"  raw loopback TCP socket       {tcp_rate:6.2f} GB/s")
+    print(f"  malloc tuning                 {grpc_rate / baseline:6.2f}x")
     print(f"  gRPC / raw TCP                {grpc_rate / tcp_rate:6.2f}x", flush=True)
 
 

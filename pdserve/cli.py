@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from common.heap import tune_malloc
 from common.telemetry.logs import configure_logging
 from pdserve.commands import (
     bench,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    tune_malloc()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OSError) as exc:

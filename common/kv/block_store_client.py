@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from common.errors import DataLossError, InvalidRequestError, PdserveError
 from common.kv.hashing import HASH_SCHEME_VERSION
-from common.kv.layout import BlockAssembler, KvLayout, block_chunks
+from common.kv.layout import BlockAssembler, KvLayout, block_pieces
 from common.rpc.channels import create_channel
 from common.rpc.errors import from_rpc_error
 from common.rpc.tls import TlsConfig
@@ -265,10 +265,12 @@ async def _put_requests(
 ) -> AsyncIterator[block_store_pb2.PutBlocksRequest]:
     for index in indexes:
         # One block at a time, so a large put never holds a second copy of all its bytes.
-        for chunk in block_chunks(
+        for piece in block_pieces(
             blocks[index : index + 1], [block_hashes[index]], first_index=index
         ):
-            yield block_store_pb2.PutBlocksRequest(put_id=put_id, chunk=chunk)
+            request = block_store_pb2.PutBlocksRequest(put_id=put_id)
+            piece.fill(request.chunk)
+            yield request
 
 
 def _raise_translated(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:

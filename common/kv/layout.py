@@ -78,12 +78,35 @@ def crc32c(data: bytes) -> int:
     return int(google_crc32c.value(data))
 
 
-def block_chunks(
+@dataclass(frozen=True)
+class ChunkPiece:
+    """One chunk of a block, to be written into a KvBlockChunk field of a message."""
+
+    block_index: int
+    block_hash: int
+    offset_bytes: int
+    data: bytes
+    last_chunk_of_block: bool
+    block_crc32c: int
+
+    def fill(self, chunk: kv_chunk_pb2.KvBlockChunk) -> None:
+        """Sets the fields of ``chunk`` in place: the chunk of a message being built, e.g.
+        ``message.chunk``. (Passing a built KvBlockChunk to a message's constructor copies
+        it whole, through serialization: 0.9 GB/s here against 18 for this.)"""
+        chunk.block_index = self.block_index
+        chunk.block_hash = self.block_hash
+        chunk.offset_bytes = self.offset_bytes
+        chunk.data = self.data
+        chunk.last_chunk_of_block = self.last_chunk_of_block
+        chunk.block_crc32c = self.block_crc32c
+
+
+def block_pieces(
     blocks: torch.Tensor,  # [n, L, 2, S, Hkv, D] contiguous, on CPU
     block_hashes: Sequence[int],
     max_chunk_bytes: int = KV_CHUNK_BYTES,
     first_index: int = 0,
-) -> Iterator[kv_chunk_pb2.KvBlockChunk]:
+) -> Iterator[ChunkPiece]:
     """Chunks of every block in order; block i gets hash ``block_hashes[i]`` or 0 past them."""
     max_chunk_bytes = max(1, min(max_chunk_bytes, KV_CHUNK_BYTES))
     data = blocks.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1).numpy()
@@ -91,17 +114,28 @@ def block_chunks(
         block = data[i].tobytes()
         block_hash = block_hashes[i] if i < len(block_hashes) else 0
         checksum = crc32c(block)
+        if len(block) <= max_chunk_bytes:  # one piece: the block's own bytes, not a copy
+            yield ChunkPiece(first_index + i, block_hash, 0, block, True, checksum)
+            continue
         for offset in range(0, len(block), max_chunk_bytes):
             piece = block[offset : offset + max_chunk_bytes]
             last = offset + len(piece) == len(block)
-            yield kv_chunk_pb2.KvBlockChunk(
-                block_index=first_index + i,
-                block_hash=block_hash,
-                offset_bytes=offset,
-                data=piece,
-                last_chunk_of_block=last,
-                block_crc32c=checksum if last else 0,
+            yield ChunkPiece(
+                first_index + i, block_hash, offset, piece, last, checksum if last else 0
             )
+
+
+def block_chunks(
+    blocks: torch.Tensor,
+    block_hashes: Sequence[int],
+    max_chunk_bytes: int = KV_CHUNK_BYTES,
+    first_index: int = 0,
+) -> Iterator[kv_chunk_pb2.KvBlockChunk]:
+    """block_pieces as standalone KvBlockChunk messages."""
+    for piece in block_pieces(blocks, block_hashes, max_chunk_bytes, first_index):
+        chunk = kv_chunk_pb2.KvBlockChunk()
+        piece.fill(chunk)
+        yield chunk
 
 
 class BlockAssembler:
@@ -111,7 +145,10 @@ class BlockAssembler:
         self.layout = layout
         self.first_index = first_index
         self.num_blocks = num_blocks
-        self.buffer = bytearray(num_blocks * layout.bytes_per_block)
+        # Uninitialized: every byte is written before tensor() hands it out (a zeroed
+        # bytearray cost a seventh of a pull's time here).
+        self._bytes = torch.empty(num_blocks * layout.bytes_per_block, dtype=torch.uint8)
+        self._view = self._bytes.numpy().data  # a memoryview of the tensor's bytes
         self.hashes: list[int] = [0] * num_blocks
         self.num_complete = 0
         self._offset = 0  # bytes of the current block received
@@ -131,7 +168,7 @@ class BlockAssembler:
         if end > size:
             raise DataLossError(f"KV block {chunk.block_index} overflows {size} bytes")
         base = index * size
-        self.buffer[base + self._offset : base + end] = data
+        self._view[base + self._offset : base + end] = data
         self._crc.update(data)
         self._offset = end
         self.num_bytes += len(data)
@@ -156,9 +193,4 @@ class BlockAssembler:
             raise DataLossError(
                 f"KV stream ended after {self.num_complete} of {self.num_blocks} blocks"
             )
-        flat = (
-            torch.frombuffer(self.buffer, dtype=self.layout.dtype)
-            if self.buffer
-            else torch.empty(0, dtype=self.layout.dtype)
-        )
-        return flat.view(self.num_blocks, *self.layout.block_shape)
+        return self._bytes.view(self.layout.dtype).view(self.num_blocks, *self.layout.block_shape)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.errors import InvalidRequestError
-from common.kv.layout import KvLayout, block_chunks
+from common.kv.layout import KvLayout, block_pieces
 from common.kv.leases import LeaseTable
 from common.rpc.errors import rpc_method
 from common.rpc.options import KV_CHUNK_BYTES
@@ -38,10 +38,11 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
                 "start_block_index", f"{start} is past the last block ({num_blocks - 1})"
             )
         first = True
-        for chunk in block_chunks(
+        for piece in block_pieces(
             lease.data[start:], lease.block_hashes[start:], max_chunk, first_index=start
         ):
-            message = kv_transfer_pb2.PullBlocksResponse(chunk=chunk)
+            message = kv_transfer_pb2.PullBlocksResponse()
+            piece.fill(message.chunk)
             if first:
                 message.layout.CopyFrom(self.layout.to_pb())
                 first = False

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from common.errors import InvalidRequestError, UnavailableError
-from common.kv.layout import KvLayout
+from common.kv.layout import ChunkPiece, KvLayout
 from common.rpc.errors import rpc_method
 from common.rpc.options import KV_CHUNK_BYTES
 from pdserve.common.v1 import common_pb2
-from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc, kv_chunk_pb2
+from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
 from services.blockstore.receiver import PutStreamReceiver
 from services.blockstore.store import BlockStore, StoredBlock
 
@@ -93,9 +93,13 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
         try:
             layout_pb: common_pb2.KvLayout | None = layout.to_pb()
             for index, block in enumerate(blocks):
-                for chunk in _chunks(index, block, max_chunk_bytes):
-                    yield block_store_pb2.GetBlocksResponse(chunk=chunk, layout=layout_pb)
-                    layout_pb = None  # on the first message only
+                for piece in _pieces(index, block, max_chunk_bytes):
+                    message = block_store_pb2.GetBlocksResponse()
+                    piece.fill(message.chunk)  # in place: see ChunkPiece.fill
+                    if layout_pb is not None:  # on the first message only
+                        message.layout.CopyFrom(layout_pb)
+                        layout_pb = None
+                    yield message
         finally:
             self.store.unpin(blocks)
 
@@ -149,20 +153,18 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
             raise UnavailableError("the block store is shutting down")
 
 
-def _chunks(
-    index: int, block: StoredBlock, max_chunk_bytes: int
-) -> Iterator[kv_chunk_pb2.KvBlockChunk]:
+def _pieces(index: int, block: StoredBlock, max_chunk_bytes: int) -> Iterator[ChunkPiece]:
     """The chunks of one stored block; the stored CRC-32C goes on the last one."""
     data = block.data
     size = len(data)
     for offset in range(0, size, max_chunk_bytes):
         end = min(offset + max_chunk_bytes, size)
         last = end == size
-        yield kv_chunk_pb2.KvBlockChunk(
-            block_index=index,
-            block_hash=block.key.block_hash,
-            offset_bytes=offset,
-            data=data if size == end - offset else data[offset:end],
-            last_chunk_of_block=last,
-            block_crc32c=block.crc32c if last else 0,
+        yield ChunkPiece(
+            index,
+            block.key.block_hash,
+            offset,
+            data if size == end - offset else data[offset:end],
+            last,
+            block.crc32c if last else 0,
         )
