@@ -8,27 +8,11 @@ import asyncio
 import sys
 
 import grpc
-import pytest
 
-from common.rpc.pki import make_ca
 from common.rpc.server import create_server
 from common.rpc.tls import TlsConfig
 from pdserve.launcher import free_port
-
-POD_NAME = "decode-0.pdserve-decode.default.svc"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
-    root = tmp_path_factory.mktemp("pki")
-    ca = make_ca(root / "ours")
-    other = make_ca(root / "other")
-    return {
-        "server": ca.issue("server", root / "ours"),
-        "pod": ca.issue("pod", root / "ours", hosts=(POD_NAME,)),
-        "client": ca.issue("client", root / "ours"),
-        "stranger": other.issue("stranger", root / "other"),
-    }
+from tests.services.conftest import POD_NAME
 
 
 def tls_flags(tls: TlsConfig) -> list[str]:

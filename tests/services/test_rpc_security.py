@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import InvalidRequestError
 from common.rpc.errors import reason_of, rpc_method
-from common.rpc.pki import make_ca
 from common.rpc.server import Server, create_server
 from common.rpc.tls import TlsConfig
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -129,18 +128,6 @@ def test_an_unparseable_message_in_a_client_stream_is_invalid_argument() -> None
 
     error = run(body())
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error  # type: ignore[union-attr]
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
-    root = tmp_path_factory.mktemp("pki")
-    ca = make_ca(root / "ours")
-    other = make_ca(root / "other")
-    return {
-        "server": ca.issue("server", root / "ours"),
-        "client": ca.issue("client", root / "ours"),
-        "stranger": other.issue("stranger", root / "other"),
-    }
 
 
 def test_mutual_tls_refuses_strangers(pki: dict[str, TlsConfig]) -> None:
