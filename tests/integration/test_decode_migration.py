@@ -46,7 +46,11 @@ pytestmark = pytest.mark.slow
 # Long enough that the first streams are still running when the last ones (queued behind
 # the others' prefills) have their first tokens.
 MAX_TOKENS = 64
-KILL_AFTER_TOKENS = 8  # every stream has at least this many tokens when the worker dies
+# Every stream has at least this many tokens when the worker dies: more than a block (16
+# tokens), so each has filled a block of generated tokens past its prompt's last full one,
+# and a few more steps for the killed worker to have written that block behind. (At 8, with
+# streams as even as they now run, none had crossed a boundary in one run of this test.)
+KILL_AFTER_TOKENS = 20
 GRACE_S = 1.0  # drain grace period of every process of the stack
 NUM_LOAD_LOOPS = 4
 LOAD_TOKENS = 24  # max_tokens of the rolling restart's load: many short requests
