@@ -4,10 +4,10 @@ A worker's start-up leaves about 365,000 objects that live as long as the proces
 transformers, the model's modules, gRPC, protobuf). Python's full (generation 2)
 collection walks every one of them: about 330 ms on this project's 2-core CPU machine,
 with the GIL held, so every thread of the process (the engine's included) stops for it.
-Such collections come now and then as a server allocates, and once more when the
-interpreter exits. Freezing the heap once start-up is over moves those objects out of
-the collector's sight: later collections cost only what was allocated since, and the
-process exits seconds sooner.
+Such a collection can come whenever enough new objects outlive the younger generations,
+and one more comes when the interpreter exits. Freezing the heap once start-up is over
+moves those objects out of the collector's sight: later collections cost only what was
+allocated since, and a loaded worker exits in 2.0 s after SIGTERM instead of 3.6 s.
 """
 
 from __future__ import annotations
