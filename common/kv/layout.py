@@ -108,21 +108,25 @@ def block_pieces(
     first_index: int = 0,
 ) -> Iterator[ChunkPiece]:
     """Chunks of every block in order; block i gets hash ``block_hashes[i]`` or 0 past them."""
-    max_chunk_bytes = max(1, min(max_chunk_bytes, KV_CHUNK_BYTES))
     data = blocks.contiguous().view(torch.uint8).reshape(blocks.shape[0], -1).numpy()
     for i in range(blocks.shape[0]):
         block = data[i].tobytes()
         block_hash = block_hashes[i] if i < len(block_hashes) else 0
-        checksum = crc32c(block)
-        if len(block) <= max_chunk_bytes:  # one piece: the block's own bytes, not a copy
-            yield ChunkPiece(first_index + i, block_hash, 0, block, True, checksum)
-            continue
-        for offset in range(0, len(block), max_chunk_bytes):
-            piece = block[offset : offset + max_chunk_bytes]
-            last = offset + len(piece) == len(block)
-            yield ChunkPiece(
-                first_index + i, block_hash, offset, piece, last, checksum if last else 0
-            )
+        yield from split_block(first_index + i, block_hash, block, crc32c(block), max_chunk_bytes)
+
+
+def split_block(
+    block_index: int, block_hash: int, data: bytes, checksum: int, max_chunk_bytes: int
+) -> Iterator[ChunkPiece]:
+    """One block's chunks of at most ``max_chunk_bytes`` (capped at KV_CHUNK_BYTES); its
+    CRC-32C goes on the last. A block that fits in one chunk is sent as is, not copied."""
+    max_chunk_bytes = max(1, min(max_chunk_bytes, KV_CHUNK_BYTES))
+    size = len(data)
+    for offset in range(0, size, max_chunk_bytes):
+        end = min(offset + max_chunk_bytes, size)
+        last = end == size
+        piece = data if end - offset == size else data[offset:end]
+        yield ChunkPiece(block_index, block_hash, offset, piece, last, checksum if last else 0)
 
 
 def block_chunks(

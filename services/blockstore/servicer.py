@@ -8,18 +8,18 @@ store call is synchronous, so a unary RPC runs whole between two awaits (see sto
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
 from common.errors import InvalidRequestError, UnavailableError
-from common.kv.layout import ChunkPiece, KvLayout
+from common.kv.layout import KvLayout, split_block
 from common.rpc.errors import rpc_method
 from common.rpc.options import KV_CHUNK_BYTES
 from pdserve.common.v1 import common_pb2
 from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
 from services.blockstore.receiver import PutStreamReceiver
-from services.blockstore.store import BlockStore, StoredBlock
+from services.blockstore.store import BlockStore
 
 SERVICE_NAME = block_store_pb2.DESCRIPTOR.services_by_name["BlockStoreService"].full_name
 
@@ -93,7 +93,9 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
         try:
             layout_pb: common_pb2.KvLayout | None = layout.to_pb()
             for index, block in enumerate(blocks):
-                for piece in _pieces(index, block, max_chunk_bytes):
+                for piece in split_block(
+                    index, block.key.block_hash, block.data, block.crc32c, max_chunk_bytes
+                ):
                     message = block_store_pb2.GetBlocksResponse()
                     piece.fill(message.chunk)  # in place: see ChunkPiece.fill
                     if layout_pb is not None:  # on the first message only
@@ -151,20 +153,3 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
     def _check_serving(self) -> None:
         if self.draining:
             raise UnavailableError("the block store is shutting down")
-
-
-def _pieces(index: int, block: StoredBlock, max_chunk_bytes: int) -> Iterator[ChunkPiece]:
-    """The chunks of one stored block; the stored CRC-32C goes on the last one."""
-    data = block.data
-    size = len(data)
-    for offset in range(0, size, max_chunk_bytes):
-        end = min(offset + max_chunk_bytes, size)
-        last = end == size
-        yield ChunkPiece(
-            index,
-            block.key.block_hash,
-            offset,
-            data if size == end - offset else data[offset:end],
-            last,
-            block.crc32c if last else 0,
-        )
