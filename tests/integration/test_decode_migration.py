@@ -298,17 +298,21 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_and_repeats_nothing(
                 )
                 for j in JOBS
             ]
-            while min(progress.values()) < KILL_AFTER_TOKENS:
-                assert not any(s.done() for s in streams), [s for s in streams if s.done()]
+            # Until every stream still running has its tokens. A stream may end first: one
+            # alone on the other worker (the gateway's breaker can send nearly all of them to
+            # one worker just after a restart) outruns 16 sharing a batch.
+            running = list(zip(JOBS, streams, strict=True))
+            while any(not s.done() and progress[j.index] < KILL_AFTER_TOKENS for j, s in running):
                 await asyncio.sleep(0.02)
-            at_kill = dict(progress)
+            at_kill = {j.index: progress[j.index] for j, s in running if not s.done()}
             os.kill(victim["pid"], signal.SIGKILL)
             return list(await asyncio.gather(*streams)), at_kill
         finally:
             await client.close()
 
     results, at_kill = asyncio.run(run())
-    assert max(at_kill.values()) < MAX_TOKENS, at_kill  # killed mid-stream, every stream
+    assert len(at_kill) >= len(JOBS) // 2, at_kill  # most streams were still running
+    assert max(at_kill.values()) < MAX_TOKENS, at_kill  # killed mid-stream, each of those
     for job, result in zip(JOBS, results, strict=True):
         assert_same(job, result, undisturbed[job.index])
 
