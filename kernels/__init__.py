@@ -1,36 +1,40 @@
-"""Triton kernels of the engine, each beside a pure-torch reference with the same signature.
+"""The engine's kernels, each beside a pure-torch reference with the same signature: Triton
+kernels in this package's modules, C++ CPU kernels in ``kernels.cpu``.
 
-See kernels/README.md for shapes and how the parity tests run.
+See kernels/README.md for shapes and how the parity tests run. Names are imported on first
+use, so a CPU engine that never touches a Triton kernel never imports triton.
 """
 
-from kernels.kv_pack import pack_kv, pack_kv_ref, unpack_kv, unpack_kv_ref
-from kernels.kv_quant import QUANT_DTYPES, new_kv_scales
-from kernels.kv_write import write_kv, write_kv_ref
-from kernels.paged_decode_attention import (
-    choose_num_splits,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
-from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, apply_rotary_ref
+from __future__ import annotations
 
-__all__ = [
-    "QUANT_DTYPES",
-    "apply_rotary",
-    "apply_rotary_ref",
-    "choose_num_splits",
-    "new_kv_scales",
-    "pack_kv",
-    "pack_kv_ref",
-    "paged_decode_attention",
-    "paged_decode_attention_ref",
-    "paged_prefill_attention",
-    "paged_prefill_attention_ref",
-    "rms_norm",
-    "rms_norm_ref",
-    "unpack_kv",
-    "unpack_kv_ref",
-    "write_kv",
-    "write_kv_ref",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "QUANT_DTYPES": "kernels.kv_quant",
+    "new_kv_scales": "kernels.kv_quant",
+    "pack_kv": "kernels.kv_pack",
+    "pack_kv_ref": "kernels.kv_pack",
+    "unpack_kv": "kernels.kv_pack",
+    "unpack_kv_ref": "kernels.kv_pack",
+    "write_kv": "kernels.kv_write",
+    "write_kv_ref": "kernels.kv_write",
+    "choose_num_splits": "kernels.paged_decode_attention",
+    "paged_decode_attention": "kernels.paged_decode_attention",
+    "paged_decode_attention_ref": "kernels.paged_decode_attention",
+    "paged_prefill_attention": "kernels.paged_prefill_attention",
+    "paged_prefill_attention_ref": "kernels.paged_prefill_attention",
+    "rms_norm": "kernels.rms_norm",
+    "rms_norm_ref": "kernels.rms_norm",
+    "apply_rotary": "kernels.rotary",
+    "apply_rotary_ref": "kernels.rotary",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

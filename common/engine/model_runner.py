@@ -19,6 +19,8 @@ from common.engine.attention.torch_kv import new_kv_scales
 from common.engine.config import EngineConfig, parse_memory_budget
 from common.engine.scheduler import ScheduledRequest
 from common.models.loader import CausalLM, build_model
+from common.models.quant.formats import resolve_weight_format
+from common.models.quant.load import weight_bytes
 from common.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -59,10 +61,18 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.backend = select_backend(config.attention_backend, self.device, spec.sliding_window)
+        self.weight_format = resolve_weight_format(
+            config.quantization, config.quant_group_size, config.quant_kernel, config.model,
+            config.quant_act_bits,
+        )  # fmt: skip
+        self.backend = select_backend(
+            config.attention_backend, self.device, spec.sliding_window,
+            self.weight_format.quantized,
+        )  # fmt: skip
         self.model: CausalLM = build_model(
-            spec, config.model, self.backend, self.dtype, self.device
+            spec, config.model, self.backend, self.dtype, self.device, self.weight_format
         )
+        self.weight_bytes = weight_bytes(self.model)
         self.kv_dtype = config.torch_kv_dtype
         self.num_blocks = num_blocks_for_budget(config, spec, self.kv_dtype)
         L, N, Hkv = spec.num_layers, self.num_blocks, spec.num_kv_heads
@@ -82,6 +92,9 @@ class ModelRunner:
             for i in range(L)
         ]
         self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
+        log.info(
+            "weights: %s, %.1f MiB", self.weight_format.describe(), self.weight_bytes / 2**20
+        )
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s, backend %s)",
             self.num_blocks,

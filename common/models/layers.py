@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -18,6 +19,12 @@ def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     variance = x32.pow(2).mean(-1, keepdim=True)
     x32 = x32 * torch.rsqrt(variance + eps)
     return weight * x32.to(input_dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    size = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :size]) * gate_up[..., size:]
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention import AttentionBackend, LayerKV
-from common.models.layers import RMSNorm, ShardedLinear, ShardedParams
+from common.models.layers import RMSNorm, ShardedLinear, ShardedParams, silu_and_mul
 from common.models.rope import cos_sin_table
 from common.models.spec import ModelSpec
 
@@ -74,10 +74,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.intermediate_size = size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: AttentionBackend | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +108,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward_add(h, residual, backend)
         attn = self.self_attn(x, positions, cos_sin, kv, backend, metadata)
         x, residual = self.post_attention_layernorm.forward_add(attn, residual, backend)
-        return self.mlp(x), residual
+        return self.mlp(x, backend), residual
 
 
 # HF weight name -> (our module path, shard or None, param). One regex per family of names.
@@ -146,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Shares the embedding with the output head; call again after moving devices."""
-        if self.spec.tie_word_embeddings:
+        quantized = not isinstance(self.lm_head, nn.Linear)  # quantized layers tie themselves
+        if self.spec.tie_word_embeddings and not quantized:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(

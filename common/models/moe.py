@@ -184,10 +184,12 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(  # [T, H] -> [T, H]
+        self, x: torch.Tensor, ops: AttentionBackend | None = None
+    ) -> torch.Tensor:
         weights, ids = self.route(x)
         out = self.grouped_experts(x, weights, ids)
-        return self._add_shared(x, out)
+        return self._add_shared(x, out, ops)
 
     def grouped_experts(
         self,
@@ -254,10 +256,12 @@ class SparseMoeBlock(nn.Module):
                 out[t] += (y[0] * weights[t, j]).to(x.dtype)
         return out
 
-    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _add_shared(
+        self, x: torch.Tensor, out: torch.Tensor, ops: AttentionBackend | None = None
+    ) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:
             return out
-        shared = self.shared_expert(x)
+        shared = self.shared_expert(x, ops)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 

@@ -254,9 +254,9 @@ def test_kv_dtype_and_backend_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_torch_path_never_uses_the_triton_kernels(ckpt: Path) -> None:
-    """A CPU engine (auto or torch backend, float or quantized KV) never loads kernels/, whose
-    Triton code cannot run on a CPU outside the interpreter. (torch itself may import the
-    triton package; that is harmless.)"""
+    """A CPU engine (auto or torch backend, float or quantized KV) never loads kernels/'
+    Triton modules, which cannot run on a CPU outside the interpreter (kernels.cpu, the C++
+    CPU kernels, may load; torch itself may import the triton package; both are harmless)."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -266,7 +266,9 @@ def test_torch_path_never_uses_the_triton_kernels(ckpt: Path) -> None:
             engine = tiny_engine({str(ckpt)!r}, attention_backend=backend, kv_dtype=kv_dtype)
             assert engine.runner.backend.name == "torch", engine.runner.backend.name
             run_to_completion(engine, {{"r": [5, 6, 7]}}, SamplingParams(max_tokens=3))
-        loaded = [m for m in sys.modules if m == "kernels" or m.endswith("triton_backend")]
+        triton_kernels = ("kernels.kv_", "kernels.paged_", "kernels.rms_norm", "kernels.rotary")
+        loaded = [m for m in sys.modules
+                  if m.startswith(triton_kernels) or m.endswith("triton_backend")]
         assert not loaded, loaded
         """
     )

@@ -15,7 +15,8 @@ dequantized inside attention; a write that covers offset 0 of a block starts the
 afresh (new scale), so a reused block never inherits its previous owner's scale.
 
 A backend also supplies the elementwise ops around attention, ``rms_norm`` / ``add_rms_norm``
-(fused with the residual add) and ``rotary``, so the model stays backend-agnostic: the torch
+(fused with the residual add), ``rotary`` and the MLP's ``silu_and_mul``, so the model stays
+backend-agnostic: the torch
 backend keeps Hugging Face's exact numerics, the Triton backend uses fused kernels.
 """
 
@@ -114,4 +115,8 @@ class AttentionBackend(Protocol):
         cos_sin: torch.Tensor,  # [P, D] float32: cos in [:, :D/2], sin in [:, D/2:]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated q and k (HF ``rotate_half`` convention)."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        """SwiGLU's activation: silu(gate) * up."""
         ...

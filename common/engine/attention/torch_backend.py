@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from common.engine.attention.base import AttentionBatch, LayerKV
 from common.engine.attention.torch_kv import gather_blocks, write_kv_torch
-from common.models.layers import rms_norm_hf
+from common.models.layers import rms_norm_hf, silu_and_mul
 from common.models.rope import apply_rotary
 
 
@@ -40,20 +40,33 @@ class TorchAttentionBackend:
         self.sliding_window = sliding_window
 
     def prepare(self, batch: AttentionBatch, block_size: int) -> TorchAttentionMetadata:
+        block_ids, decode_mask = self._prepare_decodes(batch, block_size)
+        prefill_block_ids, prefill_masks = self._prepare_prefills(batch, block_size)
+        return TorchAttentionMetadata(
+            batch, block_ids, decode_mask, prefill_block_ids, prefill_masks
+        )
+
+    def _prepare_decodes(
+        self, batch: AttentionBatch, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode group's blocks to gather [Bd, Md] and its mask [Bd, 1, 1, Md*S]."""
         window = self.sliding_window
-        num_decodes = batch.num_decode_tokens
-        if num_decodes:
-            num_blocks = -(-batch.max_decode_seq_len // block_size)
-            block_ids = batch.decode_block_tables[:, :num_blocks].long()
-            positions = torch.arange(num_blocks * block_size)
-            seq_lens = batch.decode_seq_lens.long()[:, None]
-            mask = positions[None, :] < seq_lens
-            if window is not None:
-                mask &= positions[None, :] >= seq_lens - window
-            decode_mask = mask[:, None, None, :]
-        else:
-            block_ids = torch.empty(0, 0, dtype=torch.long)
-            decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool)
+        if not batch.num_decode_tokens:
+            return torch.empty(0, 0, dtype=torch.long), torch.empty(0, 1, 1, 0, dtype=torch.bool)
+        num_blocks = -(-batch.max_decode_seq_len // block_size)
+        block_ids = batch.decode_block_tables[:, :num_blocks].long()
+        positions = torch.arange(num_blocks * block_size)
+        seq_lens = batch.decode_seq_lens.long()[:, None]
+        mask = positions[None, :] < seq_lens
+        if window is not None:
+            mask &= positions[None, :] >= seq_lens - window
+        return block_ids, mask[:, None, None, :]
+
+    def _prepare_prefills(
+        self, batch: AttentionBatch, block_size: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per prefill sequence: its blocks [m_i], and its mask [q, ctx] (None = causal)."""
+        window = self.sliding_window
         prefill_block_ids: list[torch.Tensor] = []
         prefill_masks: list[torch.Tensor | None] = []
         for i, (q_len, seq_len) in enumerate(
@@ -71,9 +84,7 @@ class TorchAttentionBackend:
             if window is not None:
                 mask &= k_pos > q_pos - window
             prefill_masks.append(mask)
-        return TorchAttentionMetadata(
-            batch, block_ids, decode_mask, prefill_block_ids, prefill_masks
-        )
+        return prefill_block_ids, prefill_masks
 
     def forward(
         self,
@@ -91,7 +102,22 @@ class TorchAttentionBackend:
         num_decodes = batch.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv, metadata, scale)
-        start = num_decodes
+        self._prefills(q, k, v, kv, metadata, scale, out)
+        return out
+
+    @staticmethod
+    def _prefills(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the prefill chunks (after the decode tokens) into ``out``."""
+        batch = metadata.batch
+        start = batch.num_decode_tokens
         for i, q_len in enumerate(batch.prefill_query_lens_host):
             end = start + q_len
             mask = metadata.prefill_masks[i]
@@ -106,7 +132,6 @@ class TorchAttentionBackend:
                 keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
             out[start:end] = _dense_attention(q[start:end], keys, values, mask, scale)
             start = end
-        return out
 
     @staticmethod
     def _decode(
@@ -131,6 +156,9 @@ class TorchAttentionBackend:
             q_grouped, keys, values, attn_mask=metadata.decode_mask, scale=scale
         )  # [Bd, Hkv, G, D]
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_hf(x, weight, eps)

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from common.engine.attention.base import AttentionBatch, LayerKV
+from common.models.layers import silu_and_mul
 from kernels import (
     apply_rotary,
     paged_decode_attention,
@@ -97,6 +98,9 @@ class TritonAttentionBackend:
             parts.append(prefill_out)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.to(out_dtype)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = rms_norm(x.contiguous(), weight, eps)

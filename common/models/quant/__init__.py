@@ -1,0 +1,1 @@
+"""Quantized weights: formats, packed tensors, the layers over them, GGUF loading."""

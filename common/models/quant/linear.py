@@ -1,0 +1,220 @@
+"""Layers over quantized weights: ``QuantLinear``, ``QuantEmbedding``, ``QuantExperts``.
+
+# T = tokens, K = input features, N = output features, E = experts, I = expert size
+
+Activations stay float32 in and out; what computes the product is the engine's choice:
+
+- ``cpp`` (the CPU default): kernels/cpu/quant.py, packed weights read as they are. Above
+  ``DENSE_MIN_ROWS`` rows (prefill chunks) the weight is instead dequantized in chunks of
+  rows and multiplied by torch's float32 GEMM, which is faster there (measured in
+  loadtest/bench_quant.py).
+- ``torch``: torch's own packed CPU kernels, which take bfloat16 activations
+  (``_weight_int4pack_mm_for_cpu`` for Q4, ``_weight_int8pack_mm`` for per-channel Q8) and,
+  for blocked Q8 (GGUF's Q8_0), chunked dequantization and a float32 GEMM. A reference and
+  the fallback where the C++ kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
+from kernels.cpu import quant as cpu_quant
+
+KERNELS = ("cpp", "torch")
+
+
+@dataclass(frozen=True)
+class QuantCompute:
+    """How quantized weights are multiplied: the kernel, and for the C++ one the precision
+    x is quantized to inside it (16 or 8 bits per element, a scale per 32)."""
+
+    kernel: str = "cpp"
+    act_bits: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown quantized kernel {self.kernel!r}; choose one of {KERNELS}")
+        if self.act_bits not in (8, 16):
+            raise ValueError(f"activation bits must be 8 or 16, got {self.act_bits}")
+# At or above this many rows, dequantize-and-GEMM beats the packed kernel (about 48-64 on a
+# 2-core AVX2 machine for SmolLM2's shapes; loadtest/bench_quant.py prints the crossover).
+DENSE_MIN_ROWS = 48
+_CHUNK_ELEMENTS = 1 << 20  # float32 elements dequantized at once (4 MiB)
+
+
+class _TorchQ4:
+    """A Q4 weight in torch's int4pack layout: codes converted once, (scale, zero) bfloat16
+    [K/G, N, 2] with ``zero = min + 8 * scale`` (torch computes ``(q - 8) * scale + zero``)."""
+
+    def __init__(self, weight: Q4Weight) -> None:
+        codes = cpu_quant.unpack_q4_codes(weight.qweight).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        scales, mins = weight.scales.float(), weight.mins.float()
+        zeros = mins + 8 * scales
+        self.scale_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
+        self.group_size = weight.group_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zeros.contiguous()
+        )
+        return out.float()
+
+
+def _dense_in_chunks(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x @ dequantize(weight).T, dequantizing at most _CHUNK_ELEMENTS at a time."""
+    n, k = weight.shape
+    rows = max(16, _CHUNK_ELEMENTS // k)
+    if rows >= n:
+        return F.linear(x, _dequantize_rows(weight, 0, n))
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        out[:, start:end] = F.linear(x, _dequantize_rows(weight, start, end))
+    return out
+
+
+def _dequantize_rows(weight: QuantWeight, start: int, end: int) -> torch.Tensor:
+    if isinstance(weight, Q4Weight) and cpu_quant_available():
+        return cpu_quant.q4_dequantize(
+            weight.qweight, weight.scales, weight.mins, weight.group_size, start, end
+        )
+    return weight[start:end].dequantize()
+
+
+_cpp_ok: bool | None = None
+
+
+def cpu_quant_available() -> bool:
+    global _cpp_ok
+    if _cpp_ok is None:
+        from kernels.cpu import available
+
+        _cpp_ok = available()
+    return _cpp_ok
+
+
+class PackedMatmul:
+    """One quantized weight [N, K] bound to a kernel: ``__call__(x [T, K]) -> [T, N]``."""
+
+    def __init__(self, weight: QuantWeight, compute: QuantCompute) -> None:
+        self.kernel = compute.kernel
+        self.act_bits = compute.act_bits
+        self.shape = weight.shape
+        self.num_bytes = weight.num_bytes
+        self.storage_id = id(weight.qweight)  # shared tables (a tied head) count once
+        self.description = _describe(weight)
+        # torch's Q4 kernel reads its own layout: converted once, the original dropped.
+        self.weight: QuantWeight | None = weight
+        self._torch_q4: _TorchQ4 | None = None
+        if self.kernel == "torch" and isinstance(weight, Q4Weight):
+            self._torch_q4 = _TorchQ4(weight)
+            self.weight = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._torch_q4 is not None:
+            return self._torch_q4(x)
+        w = self.weight
+        assert w is not None, "a PackedMatmul keeps its weight unless torch's Q4 layout has it"
+        if self.kernel == "torch":
+            assert isinstance(w, Q8Weight), type(w)
+            if w.group_size == w.shape[1]:
+                scales = w.scales.view(-1).to(torch.bfloat16)
+                return torch.ops.aten._weight_int8pack_mm(
+                    x.to(torch.bfloat16), w.qweight, scales
+                ).float()
+            return _dense_in_chunks(x, w)
+        if x.shape[0] >= DENSE_MIN_ROWS:
+            return _dense_in_chunks(x, w)
+        if isinstance(w, Q4Weight):
+            return cpu_quant.q4_matmul(
+                x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits
+            )
+        return cpu_quant.q8_matmul(x, w.qweight, w.scales, w.group_size, self.act_bits)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is one or more quantized row blocks (fused projections
+    whose parts came in different formats stay separate parts; the outputs are concatenated).
+
+    ``shard_offsets`` keeps the float layer's row ranges (q/k/v, gate/up) for callers that
+    split the output."""
+
+    def __init__(
+        self,
+        parts: list[QuantWeight],
+        bias: torch.Tensor | None,
+        compute: QuantCompute,
+        shard_offsets: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        assert parts, "a QuantLinear needs at least one weight"
+        assert len({p.shape[1] for p in parts}) == 1, "parts differ in input features"
+        self.parts = [PackedMatmul(p, compute) for p in parts]
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        # A plain attribute, not a buffer: a model built on the meta device gets its quantized
+        # layers before ``to_empty``, which would otherwise replace the bias with garbage.
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.shard_offsets = dict(shard_offsets or {})
+        self.format = "+".join(sorted({p.description for p in self.parts}))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        if len(self.parts) == 1:
+            out = self.parts[0](x2)
+        else:
+            out = torch.cat([part(x2) for part in self.parts], dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*lead, self.out_features)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.format}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings from a quantized [V, H] table: only the looked-up rows are
+    dequantized (a tied output head shares the table)."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        self.table = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.table[ids].dequantize()
+
+
+class QuantExperts(nn.Module):
+    """E SwiGLU experts over quantized ``gate_up [E, 2I, H]`` and ``down [E, H, I]``
+    weights; the interface of common/models/moe.py's ``Experts`` for the loop path."""
+
+    def __init__(self, gate_up: QuantWeight, down: QuantWeight, compute: QuantCompute) -> None:
+        super().__init__()
+        self.num_experts = gate_up.qweight.shape[0]
+        self.intermediate = gate_up.shape[0] // 2
+        self.gate_up = [PackedMatmul(gate_up[e], compute) for e in range(self.num_experts)]
+        self.down = [PackedMatmul(down[e], compute) for e in range(self.num_experts)]
+        self.format = self.gate_up[0].description
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up[e](x.float().contiguous())  # [n, 2I]
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return self.down[e]((F.silu(gate) * up).contiguous())
+
+
+def _describe(weight: QuantWeight) -> str:
+    if isinstance(weight, Q8Weight) and weight.group_size == weight.shape[1]:
+        return "q8/row"
+    return f"{weight.kind}/g{weight.group_size}"

@@ -1,0 +1,159 @@
+"""Putting quantized layers into a model: quantize a loaded float model, or load a GGUF.
+
+Which layers: every decoder projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``, shared experts included), the MoE experts and the output head. The MoE router
+(``mlp.gate``), the shared-expert gate, norms and untied embeddings stay float.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from common.models.layers import ShardedLinear
+from common.models.llama import LlamaForCausalLM
+from common.models.moe import Experts
+from common.models.quant.formats import WeightFormat
+from common.models.quant.gguf import GgufCheckpoint
+from common.models.quant.linear import QuantCompute, QuantEmbedding, QuantExperts, QuantLinear
+from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
+
+log = logging.getLogger(__name__)
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def _quantize(weight: torch.Tensor, fmt: WeightFormat) -> QuantWeight:
+    if fmt.name == "int4":
+        return Q4Weight.quantize(weight, fmt.group_size)
+    return Q8Weight.quantize_per_channel(weight)
+
+
+def quantize_model(model: LlamaForCausalLM, fmt: WeightFormat) -> None:
+    """Replaces the float layers of a loaded model by quantized ones (int8 / int4), one
+    layer at a time, so that memory peaks at the float model plus one layer."""
+    assert fmt.name in ("int8", "int4"), fmt
+    for path, module in list(model.named_modules()):
+        leaf = path.rpartition(".")[2]
+        if isinstance(module, Experts):
+            _replace(model, path, QuantExperts(
+                _quantize(module.gate_up_proj.data, fmt), _quantize(module.down_proj.data, fmt),
+                fmt.compute,
+            ))  # fmt: skip
+        elif isinstance(module, nn.Linear) and leaf in _PROJECTIONS:
+            offsets = module.shard_offsets if isinstance(module, ShardedLinear) else None
+            quantized = QuantLinear(
+                [_quantize(module.weight.data, fmt)], module.bias, fmt.compute, offsets
+            )
+            _replace(model, path, quantized)
+    head = Q8Weight.quantize_per_channel(model.lm_head.weight.data)
+    if model.spec.tie_word_embeddings:
+        model.embed_tokens = QuantEmbedding(head)  # type: ignore[assignment]
+    model.lm_head = QuantLinear([head], None, fmt.compute)  # type: ignore[assignment]
+
+
+def load_gguf_layers(
+    model: LlamaForCausalLM, checkpoint: GgufCheckpoint, compute: QuantCompute
+) -> list[tuple[str, torch.Tensor]]:
+    """Puts the file's quantized tensors into ``model`` as quantized layers (the model may
+    still be on the meta device: nothing float is allocated for them) and returns the float
+    tensors, by Hugging Face name, for ``model.load_weights``."""
+    floats: list[tuple[str, torch.Tensor]] = []
+    quantized: dict[str, dict[str | None, QuantWeight]] = {}  # module path -> shard -> weight
+    biases: dict[str, dict[str | None, torch.Tensor]] = {}
+    embed: QuantWeight | None = None
+    head: QuantWeight | None = None
+    for tensor in checkpoint.tensors():
+        if tensor.name == _EMBED and not isinstance(tensor.value, torch.Tensor):
+            embed = tensor.value
+            continue
+        if tensor.name == _HEAD and not isinstance(tensor.value, torch.Tensor):
+            head = tensor.value
+            continue
+        target = model._target(tensor.name)
+        if target is None:
+            raise ValueError(f"{checkpoint.path.name}: unexpected tensor {tensor.name!r}")
+        module_path, shard, param = target
+        if isinstance(tensor.value, torch.Tensor):
+            if param == "bias":
+                biases.setdefault(module_path, {})[shard] = tensor.value
+            floats.append((tensor.name, tensor.value))
+            continue
+        if param != "weight":
+            raise ValueError(f"{checkpoint.path.name}: quantized {param} {tensor.name!r}")
+        quantized.setdefault(module_path, {})[shard] = tensor.value
+    for module_path, shards in quantized.items():
+        module = model.get_submodule(module_path)
+        if not isinstance(module, nn.Linear) or module_path.rpartition(".")[2] not in _PROJECTIONS:
+            raise ValueError(f"{checkpoint.path.name}: {module_path} cannot be quantized here")
+        order: list[str | None] = (
+            list(module.shard_offsets) if isinstance(module, ShardedLinear) else [None]
+        )
+        missing = [s for s in order if s not in shards]
+        if missing:
+            raise ValueError(f"{checkpoint.path.name}: {module_path} lacks {missing}")
+        parts = _fuse([shards[s] for s in order])
+        bias = None
+        if module.bias is not None:
+            pieces = biases.get(module_path, {})
+            if any(s not in pieces for s in order):
+                raise ValueError(f"{checkpoint.path.name}: {module_path} lacks its bias")
+            bias = torch.cat([pieces[s] for s in order])
+        offsets = module.shard_offsets if isinstance(module, ShardedLinear) else None
+        _replace(model, module_path, QuantLinear(parts, bias, compute, offsets))
+    # Biases of the replaced layers went into them; the float loader must not see them.
+    floats = [(n, t) for n, t in floats if _module_of(model, n) not in quantized]
+    if embed is not None:
+        model.embed_tokens = QuantEmbedding(embed)  # type: ignore[assignment]
+        if model.spec.tie_word_embeddings and head is None:
+            head = embed
+    if head is not None:
+        model.lm_head = QuantLinear([head], None, compute)  # type: ignore[assignment]
+    return floats
+
+
+def _module_of(model: LlamaForCausalLM, name: str) -> str | None:
+    target = model._target(name)
+    return None if target is None else target[0]
+
+
+def dequantized_tensors(checkpoint: GgufCheckpoint) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of the file as float32, by Hugging Face name (``--quantization none``)."""
+    for tensor in checkpoint.tensors():
+        value = tensor.value
+        yield tensor.name, value if isinstance(value, torch.Tensor) else value.dequantize()
+
+
+def _fuse(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """One packed weight when the parts share a kind and group size, else the parts."""
+    kinds = {(type(p), p.group_size) for p in parts}
+    if len(parts) == 1 or len(kinds) > 1:
+        return parts
+    if isinstance(parts[0], Q4Weight):
+        return [Q4Weight.cat([p for p in parts if isinstance(p, Q4Weight)])]
+    return [Q8Weight.cat([p for p in parts if isinstance(p, Q8Weight)])]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: packed layers at their packed size."""
+    total = 0
+    packed: dict[int, int] = {}  # a tied head and embedding share one table: count it once
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            packed.update((p.storage_id, p.num_bytes) for p in module.parts)
+        elif isinstance(module, QuantExperts):
+            packed.update((p.storage_id, p.num_bytes) for p in module.gate_up + module.down)
+        elif isinstance(module, QuantEmbedding):
+            packed[id(module.table.qweight)] = module.table.num_bytes
+    total += sum(packed.values())
+    total += sum(p.numel() * p.element_size() for p in model.parameters())
+    return total

@@ -1,0 +1,161 @@
+"""Quantized weight tensors: what a checkpoint's linear weight becomes in a packed format.
+
+# E = experts (MoE: optional leading dim), N = output features, K = input features,
+# G = group size (a power of two >= 32)
+
+``Q4Weight``: 4-bit codes with a float16 scale and min per group of G along K,
+``w = q * scale + min`` (GGUF's Q4_1; Q4_0 is min = -8 * scale). ``Q8Weight``: int8 codes
+with a float16 scale per group (G = 32 is GGUF's Q8_0; G = K is one scale per output row),
+``w = q * scale``. The byte layout is kernels/cpu/quant.py's. Both may carry leading expert
+dimensions: ``weight[e]`` is expert e's [N, K] weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu.quant import (
+    SUB_BLOCK,
+    dequantize_q4_ref,
+    dequantize_q8_ref,
+    pack_q4_codes,
+)
+
+
+def check_group_size(group_size: int, in_features: int) -> None:
+    if group_size < SUB_BLOCK or group_size & (group_size - 1):
+        raise ValueError(f"group size must be a power of two >= 32, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(
+            f"group size {group_size} does not divide the input features ({in_features})"
+        )
+
+
+@dataclass
+class Q4Weight:
+    qweight: torch.Tensor  # uint8 [..., N, K/2]
+    scales: torch.Tensor  # float16 [..., N, K/G]
+    mins: torch.Tensor  # float16 [..., N, K/G]
+    group_size: int
+
+    kind = "q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[-2], self.qweight.shape[-1] * 2
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [..., N, K], bit for bit GGUF's dequantization of the same blocks."""
+        lead = self.qweight.shape[:-2]
+        n, k = self.shape
+        out = dequantize_q4_ref(
+            self.qweight.reshape(-1, k // 2),
+            self.scales.reshape(-1, k // self.group_size),
+            self.mins.reshape(-1, k // self.group_size),
+            self.group_size,
+        )
+        return out.view(*lead, n, k)
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> Q4Weight:
+        """Selects along the first dim (rows of a 2-D weight, experts of a 3-D one)."""
+        return Q4Weight(
+            self.qweight[index].contiguous(),
+            self.scales[index].contiguous(),
+            self.mins[index].contiguous(),
+            self.group_size,
+        )
+
+    @staticmethod
+    def cat(parts: list[Q4Weight]) -> Q4Weight:
+        """Rows of several weights stacked (fused projections); same K and group size."""
+        assert len({p.group_size for p in parts}) == 1, "fused Q4 parts differ in group size"
+        return Q4Weight(
+            torch.cat([p.qweight for p in parts], dim=-2),
+            torch.cat([p.scales for p in parts], dim=-2),
+            torch.cat([p.mins for p in parts], dim=-2),
+            parts[0].group_size,
+        )
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, group_size: int) -> Q4Weight:
+        """Round-to-nearest over each group's [min, max] (asymmetric, like GGUF's Q4_1).
+
+        Scale and min are rounded to float16 first and the codes computed against the rounded
+        values, so ``dequantize`` is the nearest point of the grid actually stored."""
+        k = weight.shape[-1]
+        check_group_size(group_size, k)
+        lead, n = weight.shape[:-2], weight.shape[-2]
+        w = weight.detach().float().reshape(-1, k // group_size, group_size)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).to(torch.float16)
+        mins = low.to(torch.float16)
+        step = scales.float()
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        codes = torch.round((w - mins.float()[..., None]) * inv[..., None]).clamp_(0, 15)
+        packed = pack_q4_codes(codes.to(torch.uint8).reshape(-1, k))
+        return Q4Weight(
+            packed.view(*lead, n, k // 2),
+            scales.view(*lead, n, k // group_size),
+            mins.view(*lead, n, k // group_size),
+            group_size,
+        )
+
+
+@dataclass
+class Q8Weight:
+    qweight: torch.Tensor  # int8 [..., N, K]
+    scales: torch.Tensor  # float16 [..., N, K/G]
+    group_size: int
+
+    kind = "q8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[-2], self.qweight.shape[-1]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+    def dequantize(self) -> torch.Tensor:
+        lead = self.qweight.shape[:-2]
+        n, k = self.shape
+        out = dequantize_q8_ref(
+            self.qweight.reshape(-1, k), self.scales.reshape(-1, k // self.group_size),
+            self.group_size,
+        )  # fmt: skip
+        return out.view(*lead, n, k)
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> Q8Weight:
+        return Q8Weight(
+            self.qweight[index].contiguous(), self.scales[index].contiguous(), self.group_size
+        )
+
+    @staticmethod
+    def cat(parts: list[Q8Weight]) -> Q8Weight:
+        assert len({p.group_size for p in parts}) == 1, "fused Q8 parts differ in group size"
+        return Q8Weight(
+            torch.cat([p.qweight for p in parts], dim=-2),
+            torch.cat([p.scales for p in parts], dim=-2),
+            parts[0].group_size,
+        )
+
+    @staticmethod
+    def quantize_per_channel(weight: torch.Tensor) -> Q8Weight:
+        """Symmetric int8, one scale per output row: ``scale = max |w| / 127``."""
+        k = weight.shape[-1]
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16)
+        step = scales.float()
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        codes = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)
+        return Q8Weight(codes.contiguous(), scales.contiguous(), k)
+
+
+QuantWeight = Q4Weight | Q8Weight

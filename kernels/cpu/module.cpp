@@ -1,0 +1,12 @@
+// The extension module: one Python module for every C++ CPU kernel (kernels/cpu/__init__.py
+// builds it).
+
+#include <torch/extension.h>
+
+void register_quant(pybind11::module& m);
+void register_ops(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_quant(m);
+  register_ops(m);
+}
