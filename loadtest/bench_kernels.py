@@ -132,7 +132,8 @@ def _paged(
 
 
 def bench_decode(bench: Bench, sizes: Sizes, batch: int, context: int) -> None:
-    from kernels import new_kv_scales, paged_decode_attention, paged_decode_attention_ref
+    from kernels.kv_quant import new_kv_scales
+    from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     device = bench.device
     hq, hkv, d = sizes.num_q_heads, sizes.num_kv_heads, sizes.head_dim
@@ -163,7 +164,7 @@ def bench_decode(bench: Bench, sizes: Sizes, batch: int, context: int) -> None:
 
 
 def bench_prefill(bench: Bench, sizes: Sizes) -> None:
-    from kernels import paged_prefill_attention, paged_prefill_attention_ref
+    from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     device = bench.device
     n, length = sizes.prefill_seqs, sizes.prefill_len

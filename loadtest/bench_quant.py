@@ -1,44 +1,54 @@
-"""Quantized matmuls on the CPU: every path on the default model's 30 layers, same run.
+"""Quantized matmuls on the CPU: every path on the default model's shapes, same run.
 
 For each row count M (1 = a decode step of one sequence, 16 = sixteen sequences, 256 = a
 prefill chunk) it times the projections of all 30 decoder layers (q/k/v fused, o, gate/up
 fused, down; distinct weights per layer, so they stream from memory as in a real step) and
 the output head, for:
 
-- ``fp32``: the float32 weights and torch's GEMM (what ``--quantization none`` reads);
-- ``q4 cpp`` / ``q8 cpp``: kernels/cpu/quant_matmul.cpp on packed weights;
+- ``fp32``: float32 weights and torch's GEMM (what ``--quantization none`` reads);
+- ``q4 cpp a16`` / ``a8``: kernels/cpu/quant_matmul.cpp on Q4 weights (group 32, the head in
+  Q8_0 as in the shipped GGUF), x quantized to 16- or 8-bit codes inside;
+- ``q8 cpp a16`` / ``a8``: the same kernels on per-channel int8 weights (``--quantization
+  int8``);
 - ``q4 torch``: torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations);
 - ``q8 torch``: torch's ``_weight_int8pack_mm`` (per-channel int8, bfloat16 activations);
-- ``q4 dense``: dequantize the packed weight, then torch's float32 GEMM (the large-M path).
+- ``q4 dense``: dequantize each Q4 weight in chunks, then torch's float32 GEMM (the path
+  common/models/quant/linear.py takes from DENSE_MIN_ROWS rows).
 
-It prints ms per step, the weight bytes read per ms (GB/s) and each path's ratio to fp32;
-the crossover between ``q4 cpp`` and ``q4 dense`` sets common/models/quant/linear.py's
-DENSE_MIN_ROWS. Run it on a quiet machine:
+It prints ms per step, weight bytes read per ms (GB/s) and each path's speed-up over fp32;
+the crossover of ``q4 cpp`` and ``q4 dense`` sets DENSE_MIN_ROWS. Variants of the kernel
+tried and dropped (measured the same way, A/B in one process): float32 activations with the
+codes converted per element (about 2x slower at M = 1); a reduction of 8 sub-blocks per
+scale multiply with hadd (1.4-1.7x slower); a software prefetch of the next rows (no gain).
+Run it on a quiet machine:
 
-    .venv/bin/python loadtest/bench_quant.py [--rows 1,4,16,64,256] [--threads 2]
+    .venv/bin/python loadtest/bench_quant.py [--rows 1,4,16,32,48,64,256] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from common.models.quant.linear import PackedMatmul, QuantCompute, _dense_in_chunks
-from common.models.quant.weights import Q4Weight, Q8Weight
+from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
+from kernels.cpu import quant as cpu_quant
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, 30 layers.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K)
 HEAD_SHAPE = (49152, 576)
 NUM_LAYERS = 30
 
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after two warm-ups."""
-    fn()
+    """Median seconds of ``repeats`` calls after a warm-up."""
     fn()
     times = []
     for _ in range(repeats):
@@ -48,69 +58,101 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def packed_kernel(weight: QuantWeight, act_bits: int) -> Matmul:
+    """The C++ kernel at every M (no switch to the dense path)."""
+    if isinstance(weight, Q4Weight):
+        return lambda x: cpu_quant.q4_matmul(
+            x, weight.qweight, weight.scales, weight.mins, weight.group_size, act_bits
+        )
+    return lambda x: cpu_quant.q8_matmul(x, weight.qweight, weight.scales, weight.group_size,
+                                         act_bits)  # fmt: skip
+
+
+def _float_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t()
+
+
+class Path:
+    """One way to run a step's matmuls: one function per weight, and the bytes they read."""
+
+    def __init__(self, fns: list[Matmul], num_bytes: int) -> None:
+        self.fns = fns
+        self.num_bytes = num_bytes
+
+    def step(self, inputs: dict[int, torch.Tensor]) -> None:
+        shapes = LAYER_SHAPES * NUM_LAYERS + [HEAD_SHAPE]
+        for fn, (_, k) in zip(self.fns, shapes, strict=True):
+            fn(inputs[k])
+
+
+def build_paths() -> dict[str, Path]:
+    torch.manual_seed(0)
+    floats = [torch.randn(n, k) * 0.02 for _ in range(NUM_LAYERS) for n, k in LAYER_SHAPES]
+    head = torch.randn(*HEAD_SHAPE) * 0.02
+    q4 = [Q4Weight.quantize(w, 32) for w in floats]
+    q8 = [Q8Weight.quantize_per_channel(w) for w in floats]
+    head_q8_0 = Q8Weight(  # the shipped file's head: Q8_0, a scale per 32
+        torch.randint(-127, 128, HEAD_SHAPE, dtype=torch.int8),
+        (torch.rand(HEAD_SHAPE[0], HEAD_SHAPE[1] // 32) * 0.001).half(), 32,
+    )  # fmt: skip
+    head_q8 = Q8Weight.quantize_per_channel(head)
+
+    def weight_bytes(ws: Sequence[QuantWeight], h: QuantWeight) -> int:
+        return sum(w.num_bytes for w in ws) + h.num_bytes
+
+    dense = [*floats, head]
+    paths = {"fp32": Path([functools.partial(_float_matmul, w) for w in dense],
+                          sum(w.numel() * 4 for w in dense))}  # fmt: skip
+    cpp_q4: list[QuantWeight] = [*q4, head_q8_0]
+    for bits in (16, 8):
+        paths[f"q4 cpp a{bits}"] = Path(
+            [packed_kernel(w, bits) for w in cpp_q4], weight_bytes(q4, head_q8_0)
+        )
+        paths[f"q8 cpp a{bits}"] = Path(
+            [packed_kernel(w, bits) for w in [*q8, head_q8]], weight_bytes(q8, head_q8)
+        )
+    torch_compute = QuantCompute("torch")
+    torch_q4: list[QuantWeight] = [*q4, head_q8]
+    torch_q8: list[QuantWeight] = [*q8, head_q8]
+    paths["q4 torch"] = Path([PackedMatmul(w, torch_compute) for w in torch_q4],
+                             weight_bytes(q4, head_q8))  # fmt: skip
+    paths["q8 torch"] = Path([PackedMatmul(w, torch_compute) for w in torch_q8],
+                             weight_bytes(q8, head_q8))  # fmt: skip
+    paths["q4 dense"] = Path(
+        [(lambda x, w=w: _dense_in_chunks(x, w)) for w in q4] + [packed_kernel(head_q8_0, 16)],
+        weight_bytes(q4, head_q8_0),
+    )
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", default="1,4,16,32,48,64,256", help="row counts M")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    floats = [[torch.randn(n, k) * 0.02 for n, k in LAYER_SHAPES] for _ in range(NUM_LAYERS)]
-    head = torch.randn(*HEAD_SHAPE) * 0.02
-    q4 = [[Q4Weight.quantize(w, 32) for w in layer] for layer in floats]
-    q8_head = Q8Weight.quantize_per_channel(head)
-    q8 = [[Q8Weight.quantize_per_channel(w) for w in layer] for layer in floats]
-    paths: dict[str, tuple[list[Callable[[torch.Tensor], torch.Tensor]], int]] = {}
-
-    def add(name: str, layers: list, head_fn: Callable | None, num_bytes: int) -> None:
-        fns = [fn for layer in layers for fn in layer]
-        if head_fn is not None:
-            fns.append(head_fn)
-        paths[name] = (fns, num_bytes)
-
-    fp32_bytes = sum(w.numel() * 4 for layer in floats for w in layer) + head.numel() * 4
-    add("fp32", [[(lambda x, w=w: x @ w.t()) for w in layer] for layer in floats],
-        lambda x: x @ head.t(), fp32_bytes)  # fmt: skip
-    q4_bytes = sum(w.num_bytes for layer in q4 for w in layer) + q8_head.num_bytes
-    q8_bytes = sum(w.num_bytes for layer in q8 for w in layer) + q8_head.num_bytes
-    head_cpp = PackedMatmul(q8_head, QuantCompute("cpp"))
-    head_torch = PackedMatmul(q8_head, QuantCompute("torch"))
-    add("q4 cpp", [[PackedMatmul(w, QuantCompute("cpp")) for w in layer] for layer in q4], head_cpp, q4_bytes)
-    add("q4 torch", [[PackedMatmul(w, QuantCompute("torch")) for w in layer] for layer in q4], head_torch,
-        q4_bytes)  # fmt: skip
-    add("q4 dense", [[(lambda x, w=w: _dense_in_chunks(x, w)) for w in layer] for layer in q4],
-        head_cpp, q4_bytes)  # fmt: skip
-    add("q8 cpp", [[PackedMatmul(w, QuantCompute("cpp")) for w in layer] for layer in q8], head_cpp, q8_bytes)
-    add("q8 torch", [[PackedMatmul(w, QuantCompute("torch")) for w in layer] for layer in q8], head_torch,
-        q8_bytes)  # fmt: skip
-
+    paths = build_paths()
     results: dict[str, dict[str, float]] = {}
-    print(f"threads {torch.get_num_threads()}; 30 layers' projections + the output head")
+    print(f"{torch.get_num_threads()} threads; 30 layers' projections + the output head, ms")
     for m in [int(r) for r in args.rows.split(",")]:
-        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        inputs = {k: torch.randn(m, k) for k in (576, 1536)}
         row: dict[str, float] = {}
-        for name, (fns, num_bytes) in paths.items():
+        for name, path in paths.items():
             if name == "q4 dense" and m < 16:
                 continue
-
-            def step(fns: list = fns) -> None:
-                for fn, (n, k) in zip(fns, (LAYER_SHAPES * NUM_LAYERS) + [HEAD_SHAPE], strict=True):
-                    fn(xs[k])
-
-            seconds = timed(step, args.repeats)
-            row[name] = seconds * 1e3
-            results[f"M={m}"] = row
+            row[name] = timed(functools.partial(path.step, inputs), args.repeats) * 1e3
+        results[f"M={m}"] = row
         base = row["fp32"]
         cells = [
-            f"{name} {ms:6.1f} ms ({paths[name][1] / ms / 1e6:4.1f} GB/s, {base / ms:4.2f}x)"
+            f"{name} {ms:.1f} ({paths[name].num_bytes / ms / 1e6:.1f} GB/s, {base / ms:.2f}x)"
             for name, ms in row.items()
         ]
-        print(f"M={m:4d}: " + "; ".join(cells))
+        print(f"M={m}: " + "; ".join(cells))
     if args.json:
         print(json.dumps(results, indent=2))
 

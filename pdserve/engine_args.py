@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.engine.config import EngineConfig
+from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -12,8 +13,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory (safetensors + config + tokenizer); default: SmolLM2-135M-"
-        "Instruct, converted into $PDSERVE_CACHE on first use",
+        help="checkpoint directory (safetensors or a .gguf, config, tokenizer) or a .gguf "
+        "file; default: SmolLM2-135M-Instruct, prepared in $PDSERVE_CACHE on first use",
     )
     group.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: auto)")
@@ -33,8 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-backend",
         default=None,
-        choices=["auto", "torch", "triton"],
-        help="auto = triton on CUDA, torch elsewhere (env PDSERVE_ATTENTION_BACKEND)",
+        choices=["auto", "torch", "triton", "cpp"],
+        help="auto = triton on CUDA; on CPU cpp (fused C++ ops) for quantized weights, "
+        "torch (transformers' exact numerics) for float ones (env PDSERVE_ATTENTION_BACKEND)",
     )
     group.add_argument(
         "--kv-dtype",
@@ -51,6 +53,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "several engines on one machine give each its share of the cores",
     )
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="weight format: auto (default) = gguf when the model has a .gguf file, else "
+        "none (float); int8 / int4 quantize the checkpoint at load; gguf serves the file's "
+        "Q4_0/Q4_1/Q8_0 tensors as stored (env PDSERVE_QUANTIZATION)",
+    )
+    group.add_argument(
+        "--quant-group-size", type=int, default=None, help="int4: inputs per scale (32)"
+    )
+    group.add_argument(
+        "--quant-kernel",
+        default=None,
+        choices=list(QUANT_KERNELS),
+        help="what multiplies quantized weights: cpp (our AVX2 kernels; auto when they build) "
+        "or torch (its packed kernels, bfloat16 activations) (env PDSERVE_QUANT_KERNEL)",
+    )
+    group.add_argument(
+        "--quant-act-bits",
+        type=int,
+        default=None,
+        choices=[16, 8],
+        help="cpp kernels: bits x is quantized to per 32 inputs (default 16; 8 is faster, "
+        "as llama.cpp; env PDSERVE_QUANT_ACT_BITS)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -69,4 +97,8 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         kv_dtype=args.kv_dtype,
         num_threads=args.threads,
         enable_prefix_caching=False if args.no_prefix_caching else None,
+        quantization=args.quantization,
+        quant_group_size=args.quant_group_size,
+        quant_kernel=args.quant_kernel,
+        quant_act_bits=args.quant_act_bits,
     )

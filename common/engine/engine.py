@@ -122,6 +122,12 @@ class Engine:
             torch.get_num_threads(),
         )
 
+    @property
+    def weight_identity(self) -> str | None:
+        """The weight format's KV identity (None for float weights): part of every block
+        hash this engine computes, so KV of another format never matches."""
+        return self.runner.weight_format.identity
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
@@ -152,6 +158,7 @@ class Engine:
             kv_import=kv_import,
             hash_seed=self.config.hash_seed,
             write_behind=write_behind and not prefill_only,
+            weight_identity=self.weight_identity,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -320,8 +327,9 @@ class Engine:
         if not self.config.enable_prefix_caching:
             return 0
         hashes = hash_prompt_blocks(
-            token_ids, self.block_size, cache_salt, seed=self.config.hash_seed
-        )
+            token_ids, self.block_size, cache_salt, seed=self.config.hash_seed,
+            weights=self.weight_identity,
+        )  # fmt: skip
         max_blocks = (len(token_ids) - 1) // self.block_size
         return len(self.kv.pool.longest_cached_prefix(hashes[:max_blocks])) * self.block_size
 

@@ -80,6 +80,7 @@ class Request:
         kv_import: KvImport | None = None,
         hash_seed: str = "",
         write_behind: bool = False,
+        weight_identity: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -108,7 +109,7 @@ class Request:
         self.write_behind = write_behind
         self.num_written_blocks = 0
         self.pending_writes: list[FullBlocks] = []
-        self._hash_extra = extra_keys_for(cache_salt)
+        self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
 
     @property

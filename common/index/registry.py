@@ -28,6 +28,9 @@ class WorkerInfo:
     draining: bool = False
     # Tokens queued or mid-computation on the worker: what a new prompt waits behind.
     num_pending_tokens: int = 0
+    # The weight format's KV identity ("" = float weights): KV moves only between workers
+    # with the same one, and the gateway hashes a prompt with it (common/kv/hashing.py).
+    weights: str = ""
 
     def to_redis(self) -> dict[str, str]:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}

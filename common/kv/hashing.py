@@ -7,8 +7,11 @@ The root parent is the lower 64 bits of SHA-256 over the CBOR encoding of the ha
 (a string). This follows vLLM / llm-d (``sha256_cbor`` with integer block hashes), so an
 index built by either can be read by the other given the same seed and block size.
 
-``extra_keys`` is ``None`` for an unsalted request, else a list whose first element is the
-tenant's cache salt: two requests with different salts never share a block.
+``extra_keys`` is ``None`` for an unsalted request on float weights; otherwise a list whose
+first element is the tenant's cache salt ("" for none) and whose second, when the engine
+serves quantized weights, is ``"weights:<identity>"`` (common/models/quant/formats.py): two
+requests with different salts, or computed under different weight formats, never share a
+block. Float weights add nothing, so their hashes are those of vLLM's scheme.
 
 The scheme version travels in every ``KvHandle``; bump ``HASH_SCHEME_VERSION`` if any byte
 of this encoding changes. tests/unit/test_hashing.py pins it with test vectors.
@@ -47,7 +50,10 @@ def hash_block(
     return BlockHash(_lower64([int(parent), [int(t) for t in token_ids], extra]))
 
 
-def extra_keys_for(cache_salt: str | None) -> list[object] | None:
+def extra_keys_for(cache_salt: str | None, weights: str | None = None) -> list[object] | None:
+    """The extra keys of every block of a request: its cache salt and its weight format."""
+    if weights:
+        return [cache_salt or "", f"weights:{weights}"]
     return [cache_salt] if cache_salt else None
 
 
@@ -58,14 +64,16 @@ def hash_prompt_blocks(
     seed: str = DEFAULT_HASH_SEED,
     parent: BlockHash | None = None,
     start_block: int = 0,
+    weights: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids``; a trailing partial block has none.
 
-    ``parent``/``start_block`` continue a chain already hashed up to ``start_block`` blocks.
+    ``parent``/``start_block`` continue a chain already hashed up to ``start_block`` blocks;
+    ``weights`` is the weight format's identity (None for float weights).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    extra = extra_keys_for(cache_salt)
+    extra = extra_keys_for(cache_salt, weights)
     h = root_hash(seed) if parent is None else parent
     hashes: list[BlockHash] = []
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):

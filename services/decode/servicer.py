@@ -165,6 +165,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"kv_handle is for model {handle.model!r}, hash scheme {handle.hash_scheme_version}; "
                 f"this worker serves {runtime.model!r}, scheme {HASH_SCHEME_VERSION}"
             )
+        weights = runtime.engine.weight_identity or ""
+        if handle.weight_format != weights:
+            raise FailedPreconditionError(
+                f"kv_handle's KV was computed under weights {handle.weight_format or 'float'!r}; "
+                f"this worker serves {weights or 'float'!r}, and KV of one format is never "
+                "reused as another's"
+            )
         runtime.layout.check_same(KvLayout.from_pb(handle.layout), "kv_handle")
         channel = runtime.channels.get(handle.producer_address)
         metrics = runtime.metrics

@@ -239,7 +239,9 @@ class DecodeStreamer:
             if migrations.exhausted:
                 span.set_attribute("pdserve.migration.refused", "limit")
             else:
-                target = await self._pick(relay.request_id, migrations, remaining_timeout(context))
+                target = await self._pick(
+                    relay.request_id, migrations, remaining_timeout(context), worker.weights
+                )
                 if target is None:
                     span.set_attribute("pdserve.migration.refused", "no_worker")
             if target is None:
@@ -268,10 +270,12 @@ class DecodeStreamer:
         return target
 
     async def _pick(
-        self, request_id: str, migrations: Migrations, timeout_s: float | None
+        self, request_id: str, migrations: Migrations, timeout_s: float | None, weights: str
     ) -> WorkerInfo | None:
         """A live decode worker the request has not broken on, waiting up to
-        MIGRATION_WAIT_S (within the deadline) for one to appear."""
+        MIGRATION_WAIT_S (within the deadline) for one to appear; one serving the same
+        weight format as the broken one when there is (another format continues the
+        request, but finds none of its KV)."""
         wait_s = MIGRATION_WAIT_S if timeout_s is None else min(MIGRATION_WAIT_S, timeout_s)
         deadline = time.monotonic() + wait_s
         while True:
@@ -282,6 +286,7 @@ class DecodeStreamer:
             candidates = [w for w in decodes if migrations.allows(w)]
             usable = [w for w in candidates if self.breakers.allows(w.worker_id)]
             candidates = usable or candidates  # all failing: try them all the same
+            candidates = [w for w in candidates if w.weights == weights] or candidates
             if candidates:
                 return self.router.choose_decode(request_id, candidates)
             if time.monotonic() + _POLL_S > deadline:

@@ -147,6 +147,16 @@ class Router:
         the moment they start. The larger of the two is the estimate."""
         return max(w.num_pending_tokens, self.in_flight_tokens[w.worker_id])
 
+    def weight_format(self, request_id: str, decodes: list[WorkerInfo]) -> str:
+        """The weight format a request is served in when workers serve several (a fleet
+        moving from one format to another): the least loaded decode worker's. KV never
+        moves between formats, so prefill and decode workers are then chosen among that
+        format's, and the prompt is hashed with its identity."""
+        formats = {w.weights for w in decodes}
+        if len(formats) <= 1:
+            return next(iter(formats), "")
+        return self.choose_decode(request_id, decodes).weights
+
     def choose_decode(self, request_id: str, decodes: list[WorkerInfo]) -> WorkerInfo:
         """The decode worker that continues a request elsewhere (migration): the least
         loaded, as for a new request."""

@@ -266,9 +266,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         (index lookups fail, or are skipped while it is down) the overlap is empty: routing
         goes by load on the last worker list read."""
         with tracer().start_as_current_span("route") as span:
+            prefills = await self.directory.by_role("prefill", self.model)
+            decodes = await self.directory.by_role("decode", self.model)
+            weights = self.router.weight_format(request_id, decodes)
+            prefills = [w for w in prefills if w.weights == weights]
+            decodes = [w for w in decodes if w.weights == weights]
             hashes = hash_prompt_blocks(
-                prompt, self.config.block_size, salt, seed=self.config.hash_seed
-            )
+                prompt, self.config.block_size, salt, seed=self.config.hash_seed,
+                weights=weights or None,
+            )  # fmt: skip
             locations: list[dict[str, str]] = []
             indexed = False
             if self.health.should_try():
@@ -283,9 +289,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if not indexed:
                 self.metrics.routed_without_index.inc()
             span.set_attribute("pdserve.route.index_used", indexed)
+            span.set_attribute("pdserve.route.weights", weights or "float")
             overlap = prefix_overlap(locations)
-            prefills = await self.directory.by_role("prefill", self.model)
-            decodes = await self.directory.by_role("decode", self.model)
             self.breakers.keep_only(w.worker_id for w in self.directory.known())
             route = self.router.choose(
                 request_id,
@@ -380,7 +385,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 candidates = [
                     w
                     for w in self._usable(await self.directory.by_role("prefill", self.model))
-                    if w.worker_id not in tried
+                    if w.worker_id not in tried and w.weights == route.decode.weights
                 ]
                 worker = (
                     self.router.best_prefill(

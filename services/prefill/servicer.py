@@ -151,6 +151,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             lease_id=lease.lease_id,
             lease_expiry_unix_ms=lease.expiry_unix_ms,
             model=runtime.model,
+            weight_format=runtime.engine.weight_identity or "",
         )
 
     @rpc_method

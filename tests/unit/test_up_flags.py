@@ -22,6 +22,8 @@ UP_ARGV = [
     "up", "--decode-stall-timeout-s", "7", "--prefill-timeout-s", "9", "--expert-load-interval-s",
     "2", "--expert-load-window-s", "30", "--expert-load-windows", "12", "--kv-pull-timeout-s", "4",
     "--max-num-seqs", "8", "--local-prefill-tokens", "32", "--lease-ttl-s", "11",
+    "--quantization", "int4", "--quant-group-size", "64", "--quant-kernel", "torch",
+    "--quant-act-bits", "8",
 ]  # fmt: skip
 
 

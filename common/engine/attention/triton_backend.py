@@ -20,13 +20,11 @@ import triton
 
 from common.engine.attention.base import AttentionBatch, LayerKV
 from common.models.layers import silu_and_mul
-from kernels import (
-    apply_rotary,
-    paged_decode_attention,
-    paged_prefill_attention,
-    rms_norm,
-    write_kv,
-)
+from kernels.kv_write import write_kv
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary
 
 
 @dataclass

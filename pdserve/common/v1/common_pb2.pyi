@@ -125,7 +125,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("request_id", "hash_scheme_version", "block_hashes", "num_tokens", "layout", "producer_address", "lease_id", "lease_expiry_unix_ms", "model")
+    __slots__ = ("request_id", "hash_scheme_version", "block_hashes", "num_tokens", "layout", "producer_address", "lease_id", "lease_expiry_unix_ms", "model", "weight_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class KvHandle(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hash_scheme_version: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -144,7 +145,8 @@ class KvHandle(_message.Message):
     lease_id: str
     lease_expiry_unix_ms: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining")
