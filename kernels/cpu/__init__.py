@@ -1,15 +1,22 @@
 """C++ kernels for the CPU path (AVX2 / FMA / F16C, torch's thread pool), each beside a torch
 reference with the same signature. See kernels/README.md.
 
-The extension is compiled once per machine and torch version with torch's ``cpp_extension``
-(``python -m kernels.cpu`` does it ahead of time; scripts/setup.sh runs that) into
-``$PDSERVE_CACHE/extensions/``; later loads take well under a second. ``-march=native``: the
-build is for the CPU it runs on, so the cache key includes that CPU's feature flags.
+The extension is compiled once per torch version, CPU target and source text with torch's
+``cpp_extension`` (``python -m kernels.cpu`` does it ahead of time; scripts/setup.sh and the
+container image run that) into ``$PDSERVE_KERNELS_DIR`` (default
+``$PDSERVE_CACHE/extensions``). A build already there is imported directly, so serving needs
+no compiler and may run from a read-only directory.
+
+Target: x86-64-v3 (AVX2, FMA, F16C, the level every x86 server of the last decade has) when
+the CPU has it, else baseline x86-64 or the host's default; the portable C++ loops run there,
+slowly. The OpenMP runtime is torch's own (same soname, loaded first), so at::parallel_for in
+the kernels shares torch's thread pool and ``torch.set_num_threads``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -27,27 +34,54 @@ _error: str | None = None
 
 
 class KernelUnavailableError(RuntimeError):
-    """The C++ extension could not be built or loaded here (no compiler, not x86, ...)."""
+    """The C++ extension could not be built or loaded here (no compiler, ...)."""
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return set()
+
+
+def target_flags() -> list[str]:
+    """The compiler's target for this CPU (module docstring)."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        if {"avx2", "fma", "f16c"} <= _cpu_flags():
+            return ["-march=x86-64-v3"]
+        return ["-march=x86-64"]
+    return []
+
+
+def _source_dir() -> Path:
+    return Path(__file__).parent
 
 
 def build_directory() -> Path:
+    """Where this torch, target and source text's build lives."""
     import torch
 
-    root = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-    key = hashlib.sha256(
-        f"{torch.__version__}|{platform.machine()}|{_cpu_flags()}".encode()
-    ).hexdigest()[:12]
-    return root / "extensions" / f"{_NAME}-{key}"
+    override = os.environ.get("PDSERVE_KERNELS_DIR")
+    cache = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+    root = Path(override) if override else cache / "extensions"
+    digest = hashlib.sha256()
+    digest.update(f"{torch.__version__}|{platform.machine()}|{target_flags()}".encode())
+    for source in _SOURCES:
+        digest.update((_source_dir() / source).read_bytes())
+    return root / f"{_NAME}-{digest.hexdigest()[:12]}"
+
+
+def _import_built(path: Path) -> ModuleType:
+    import torch  # noqa: F401  (the extension links against libtorch, loaded by this import)
+
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load(verbose: bool = False) -> ModuleType:
@@ -58,23 +92,27 @@ def load(verbose: bool = False) -> ModuleType:
             return _module
         if _error is not None:
             raise KernelUnavailableError(_error)
-        from torch.utils.cpp_extension import load as load_extension
-
-        here = Path(__file__).parent
         directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
+        built = directory / f"{_NAME}.so"
         try:
-            _module = load_extension(
-                _NAME,
-                [str(here / source) for source in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=verbose,
-            )
+            if built.is_file():
+                _module = _import_built(built)
+            else:
+                from torch.utils.cpp_extension import load as load_extension
+
+                directory.mkdir(parents=True, exist_ok=True)
+                _module = load_extension(
+                    _NAME,
+                    [str(_source_dir() / source) for source in _SOURCES],
+                    extra_cflags=["-O3", *target_flags(), "-fopenmp", "-DNDEBUG"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                )
         except Exception as exc:  # a compiler, ninja or headers missing: say so once
-            _error = f"the C++ CPU kernels could not be built in {directory}: {exc}"
+            _error = f"the C++ CPU kernels could not be built or loaded in {directory}: {exc}"
             raise KernelUnavailableError(_error) from exc
+        assert _module is not None
         if not _module.has_avx2():
             log.warning("C++ CPU kernels built without AVX2/FMA/F16C: the portable path is slow")
         return _module

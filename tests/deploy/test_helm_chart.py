@@ -302,6 +302,16 @@ def test_worker_threads_follow_the_cpu_limit_unless_given(
         assert flag(pdserve_container(rendered.deployment(role)), "threads") == want, role
 
 
+def test_workers_share_the_chart_weight_format() -> None:
+    default = render()
+    for role in WORKER_ROLES:  # unset: the workers' auto, the bundled GGUF as stored
+        assert flag(pdserve_container(default.deployment(role)), "quantization") is None
+    rendered = render({"quantization": "int4"})
+    for role in WORKER_ROLES:
+        assert flag(pdserve_container(rendered.deployment(role)), "quantization") == "int4"
+    assert flag(pdserve_container(rendered.deployment("gateway")), "quantization") is None
+
+
 @variant_names
 def test_every_service_selects_pods_and_names_their_ports(variant: str) -> None:
     rendered = render(VARIANTS[variant])
@@ -440,6 +450,7 @@ def test_model_is_converted_into_the_volume_by_an_init_container() -> None:
         {"prefill": {"replicas": -1}},
         {"gpu": {"enabled": "yes"}},
         {"decode": {"attentionBackend": "flash"}},
+        {"quantization": "q4_k"},
         {"gateway": {"routingPolicy": "random"}},
         {"gateway": {"maxMigrations": -1}},
         {"gateway": {"decodeStallTimeoutSeconds": "30s"}},

@@ -5,7 +5,8 @@
 - ``int4``: 4-bit codes per group of ``group_size`` along the input, with a float16 scale
   and min per group (GGUF Q4_1's arithmetic), quantized at load.
 - ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored.
-- ``auto``: ``gguf`` when the model has a GGUF file, else ``none``.
+- ``auto``: ``gguf`` when the model has a GGUF file and the engine runs on the CPU, else
+  ``none`` (the quantized formats run on CPUs only so far).
 
 Every format but ``none`` keeps the output head in int8 as well (per channel for int8 and
 int4, the file's own format for gguf); the MoE router and norms stay float. Embeddings are
@@ -77,7 +78,12 @@ class WeightFormat:
 
 
 def resolve_weight_format(
-    quantization: str, group_size: int, kernel: str, model: str | Path, act_bits: int = 16
+    quantization: str,
+    group_size: int,
+    kernel: str,
+    model: str | Path,
+    act_bits: int = 16,
+    device_type: str = "cpu",
 ) -> WeightFormat:
     """The format an engine serves ``model`` in; raises ValueError with what to do instead."""
     from common.models.quant.gguf import find_gguf, open_checkpoint
@@ -91,7 +97,7 @@ def resolve_weight_format(
     gguf_file = find_gguf(model)
     name = quantization
     if name == "auto":
-        name = "gguf" if gguf_file is not None else "none"
+        name = "gguf" if gguf_file is not None and device_type == "cpu" else "none"
     if name == "none":
         return WeightFormat("none")
     if name == "gguf" and gguf_file is None:
