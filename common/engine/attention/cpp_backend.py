@@ -9,8 +9,8 @@ sequence, no mask); SwiGLU's activation in one pass. Prefill chunks keep the tor
 The results differ from the torch backend's by float rounding (other summation orders, an
 exp accurate to about 2e-7), which is why ``auto`` picks this backend only for quantized
 weights, where transformers' exact numerics are not the reference anyway, and the torch
-backend stays the bit-exact path for float weights. int8 / fp8 KV caches and dtypes other
-than float32 take the torch backend's ops.
+backend stays the bit-exact path for float weights. KV caches other than float32 (float16,
+int8, fp8) and activations other than float32 take the torch backend's ops.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class CppAttentionBackend(TorchAttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if kv.quantized or q.dtype != torch.float32:
+        if q.dtype != torch.float32 or kv.k_cache.dtype != torch.float32:
             return self._torch_forward(q, k, v, kv, metadata, scale)
         batch = metadata.batch
         self.ops.write_kv(k, v, kv.k_cache, kv.v_cache, batch.slot_mapping)
