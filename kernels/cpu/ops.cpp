@@ -504,12 +504,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 }  // namespace
 
+// Attention lets go of the GIL while it runs (as the matmuls do); the small ops keep it,
+// since releasing costs about what they take.
 void register_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "x [T, H] -> rms_norm(x) * weight");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; returns rms_norm(residual) * weight");
   m.def("rotary_", &rotary_, "rotates x [T, heads, D] in place by its positions");
   m.def("write_kv", &write_kv, "stores k and v [T, Hkv, D] at their cache slots");
   m.def("paged_decode_attention", &paged_decode_attention,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
         "one query per sequence over its paged context");
   m.def("silu_and_mul", &silu_and_mul, "gate_up [T, 2I] -> silu(gate) * up");
 }

@@ -438,9 +438,14 @@ bool has_avx2() {
 
 }  // namespace
 
+// The kernels touch no Python object: they let go of the GIL, so a service's asyncio thread
+// (gRPC streams) runs while the engine thread computes.
 void register_quant(pybind11::module& m) {
-  m.def("q4_matmul", &q4_matmul, "x [M, K] float32 @ Q4 weights [N, K]^T -> [M, N] float32");
-  m.def("q8_matmul", &q8_matmul, "x [M, K] float32 @ Q8 weights [N, K]^T -> [M, N] float32");
-  m.def("q4_dequantize", &q4_dequantize, "rows of Q4 weights -> float32 [rows, K]");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("q4_matmul", &q4_matmul, release(),
+        "x [M, K] float32 @ Q4 weights [N, K]^T -> [M, N] float32");
+  m.def("q8_matmul", &q8_matmul, release(),
+        "x [M, K] float32 @ Q8 weights [N, K]^T -> [M, N] float32");
+  m.def("q4_dequantize", &q4_dequantize, release(), "rows of Q4 weights -> float32 [rows, K]");
   m.def("has_avx2", &has_avx2, "whether the AVX2 / FMA / F16C code was compiled in");
 }
