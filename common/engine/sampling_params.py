@@ -8,6 +8,8 @@ from typing import Any
 from common.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# Alternatives per prompt position (vLLM's max_logprobs): each costs a top-k over the vocab.
+MAX_PROMPT_LOGPROBS = 20
 # Bounds that keep one request's per-token stop checks cheap.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -30,6 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per token, 0..20
+    # vLLM's prompt_logprobs: None = off; k = every prompt token after the first gets its
+    # own logprob and the k most likely alternatives (raw model distribution, float32
+    # log-softmax). Every prompt position is then computed: no prefix-cache hit or imported
+    # KV skips any.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,6 +63,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 "sampling.top_logprobs",
                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+            )
+        if self.prompt_logprobs is not None and not (
+            0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "sampling.prompt_logprobs",
+                f"must be in [0, {MAX_PROMPT_LOGPROBS}] (or unset), got {self.prompt_logprobs}",
             )
         check_stop_sizes(len(self.stop), max(map(len, self.stop), default=0))
         if any(s == "" for s in self.stop):
@@ -99,6 +113,7 @@ class SamplingParams:
             ignore_eos=pb.ignore_eos,
             logprobs=pb.logprobs,
             top_logprobs=pb.top_logprobs,
+            prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
         )
 
     def to_pb(self, pb: Any) -> Any:
@@ -118,6 +133,10 @@ class SamplingParams:
         pb.ignore_eos = self.ignore_eos
         pb.logprobs = self.logprobs
         pb.top_logprobs = self.top_logprobs
+        if self.prompt_logprobs is not None:
+            pb.prompt_logprobs = self.prompt_logprobs
+        else:
+            pb.ClearField("prompt_logprobs")
         return pb
 
     @property

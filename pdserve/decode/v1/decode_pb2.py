@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.common.v1 import common_pb2 as pdserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/decode/v1/decode.proto\x12\x11pdserve.decode.v1\x1a\x1epdserve/common/v1/common.proto\"\xfb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x30\n\tkv_handle\x18\x05 \x01(\x0b\x32\x1b.pdserve.common.v1.KvHandleH\x00\x12\x17\n\rlocal_prefill\x18\x06 \x01(\x08H\x00\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0b\n\tkv_source\"\x9c\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0fimported_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x10\n\x08queue_ms\x18\t \x01(\x01\"\x12\n\x10GetStatusRequest\"D\n\x11GetStatusResponse\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus2\xb8\x01\n\rDecodeService\x12O\n\x06\x44\x65\x63ode\x12 .pdserve.decode.v1.DecodeRequest\x1a!.pdserve.decode.v1.DecodeResponse0\x01\x12V\n\tGetStatus\x12#.pdserve.decode.v1.GetStatusRequest\x1a$.pdserve.decode.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/decode/v1/decode.proto\x12\x11pdserve.decode.v1\x1a\x1epdserve/common/v1/common.proto\"\xfb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x30\n\tkv_handle\x18\x05 \x01(\x0b\x32\x1b.pdserve.common.v1.KvHandleH\x00\x12\x17\n\rlocal_prefill\x18\x06 \x01(\x08H\x00\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0b\n\tkv_source\"\xd6\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0fimported_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x10\n\x08queue_ms\x18\t \x01(\x01\x12\x38\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\"\x12\n\x10GetStatusRequest\"D\n\x11GetStatusResponse\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus2\xb8\x01\n\rDecodeService\x12O\n\x06\x44\x65\x63ode\x12 .pdserve.decode.v1.DecodeRequest\x1a!.pdserve.decode.v1.DecodeResponse0\x01\x12V\n\tGetStatus\x12#.pdserve.decode.v1.GetStatusRequest\x1a$.pdserve.decode.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=86
   _globals['_DECODEREQUEST']._serialized_end=337
   _globals['_DECODERESPONSE']._serialized_start=340
-  _globals['_DECODERESPONSE']._serialized_end=624
-  _globals['_GETSTATUSREQUEST']._serialized_start=626
-  _globals['_GETSTATUSREQUEST']._serialized_end=644
-  _globals['_GETSTATUSRESPONSE']._serialized_start=646
-  _globals['_GETSTATUSRESPONSE']._serialized_end=714
-  _globals['_DECODESERVICE']._serialized_start=717
-  _globals['_DECODESERVICE']._serialized_end=901
+  _globals['_DECODERESPONSE']._serialized_end=682
+  _globals['_GETSTATUSREQUEST']._serialized_start=684
+  _globals['_GETSTATUSREQUEST']._serialized_end=702
+  _globals['_GETSTATUSRESPONSE']._serialized_start=704
+  _globals['_GETSTATUSRESPONSE']._serialized_end=772
+  _globals['_DECODESERVICE']._serialized_start=775
+  _globals['_DECODESERVICE']._serialized_end=959
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,8 @@ class DecodeServiceServicer:
         unset or local_prefill false; kv_handle with no generated_token_ids;
         kv_handle.num_tokens != len(prompt_token_ids); a token id outside the
         vocabulary; a context that fills the context window; or sampling
-        values out of range. The message names the field.
+        values out of range (sampling.prompt_logprobs above 20, ...). The
+        message names the field.
         ALREADY_EXISTS: a request with this request_id is in flight here.
         FAILED_PRECONDITION: kv_handle's layout, model or hash_scheme_version
         differs from this worker's.

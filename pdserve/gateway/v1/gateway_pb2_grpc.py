@@ -95,7 +95,8 @@ class GatewayServiceServicer:
         OK: generation finished; the last message has finish_reason set.
         INVALID_ARGUMENT: bad input; the message names the field (input
         unset or empty, a token id outside the vocabulary, a prompt that
-        fills the context window, sampling values out of range, ...).
+        fills the context window, sampling values out of range such as
+        sampling.prompt_logprobs above 20, ...).
         NOT_FOUND: model names a model this cluster does not serve.
         ALREADY_EXISTS: a request with this request_id is in flight.
         FAILED_PRECONDITION: prompt or messages given for a model that has no

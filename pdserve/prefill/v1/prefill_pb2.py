@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.common.v1 import common_pb2 as pdserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/prefill/v1/prefill.proto\x12\x12pdserve.prefill.v1\x1a\x1epdserve/common/v1/common.proto\"\x99\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\x9f\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12.\n\tkv_handle\x18\x03 \x01(\x0b\x32\x1b.pdserve.common.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x36\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\"\x12\n\x10GetStatusRequest\"D\n\x11GetStatusResponse\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus2\xbe\x01\n\x0ePrefillService\x12R\n\x07Prefill\x12\".pdserve.prefill.v1.PrefillRequest\x1a#.pdserve.prefill.v1.PrefillResponse\x12X\n\tGetStatus\x12$.pdserve.prefill.v1.GetStatusRequest\x1a%.pdserve.prefill.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/prefill/v1/prefill.proto\x12\x12pdserve.prefill.v1\x1a\x1epdserve/common/v1/common.proto\"\x99\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xd9\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12.\n\tkv_handle\x18\x03 \x01(\x0b\x32\x1b.pdserve.common.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x36\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\"\x12\n\x10GetStatusRequest\"D\n\x11GetStatusResponse\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus2\xbe\x01\n\x0ePrefillService\x12R\n\x07Prefill\x12\".pdserve.prefill.v1.PrefillRequest\x1a#.pdserve.prefill.v1.PrefillResponse\x12X\n\tGetStatus\x12$.pdserve.prefill.v1.GetStatusRequest\x1a%.pdserve.prefill.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=89
   _globals['_PREFILLREQUEST']._serialized_end=242
   _globals['_PREFILLRESPONSE']._serialized_start=245
-  _globals['_PREFILLRESPONSE']._serialized_end=532
-  _globals['_GETSTATUSREQUEST']._serialized_start=534
-  _globals['_GETSTATUSREQUEST']._serialized_end=552
-  _globals['_GETSTATUSRESPONSE']._serialized_start=554
-  _globals['_GETSTATUSRESPONSE']._serialized_end=622
-  _globals['_PREFILLSERVICE']._serialized_start=625
-  _globals['_PREFILLSERVICE']._serialized_end=815
+  _globals['_PREFILLRESPONSE']._serialized_end=590
+  _globals['_GETSTATUSREQUEST']._serialized_start=592
+  _globals['_GETSTATUSREQUEST']._serialized_end=610
+  _globals['_GETSTATUSRESPONSE']._serialized_start=612
+  _globals['_GETSTATUSRESPONSE']._serialized_end=680
+  _globals['_PREFILLSERVICE']._serialized_start=683
+  _globals['_PREFILLSERVICE']._serialized_end=873
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,8 @@ class PrefillServiceServicer:
         OK: the prompt was prefilled.
         INVALID_ARGUMENT: empty request_id or prompt_token_ids, a token id
         outside the vocabulary, a prompt that fills the context window, or
-        sampling values out of range; the message names the field.
+        sampling values out of range (sampling.prompt_logprobs above 20, ...);
+        the message names the field.
         ALREADY_EXISTS: a request with this request_id is in flight here, or
         a lease with this lease_id exists.
         RESOURCE_EXHAUSTED: the waiting queue is full, or the prompt needs
