@@ -16,6 +16,12 @@ The prefill/decode split:
 - ``add_request(..., write_behind=True)``: each output also carries copies of the full
   blocks this engine computed for the request since the previous output
   (``RequestOutput.full_blocks``), for the caller to write to a shared store.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the runner scores every prompt
+position of such a request as its prefill chunks run (a prefix-cache hit or a ``kv_import``
+would skip positions, so neither is used for it); the first output carries them
+(``RequestOutput.prompt_logprobs``), and, with ``add_request(..., keep_prompt_rows=True)``,
+the full log-softmax rows too (``prompt_logprob_rows``, what ``LLM.score`` returns).
 """
 
 from __future__ import annotations
@@ -37,9 +43,9 @@ from common.engine.request import (
     RequestStatus,
     TokenLogprob,
 )
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, prompt_logprob_entries
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import ScheduledRequest, Scheduler
 from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from common.experts.counts import ExpertCounts
 from common.kv.hashing import BlockHash, hash_prompt_blocks
@@ -59,6 +65,12 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # time.monotonic() of the first step it ran in
     # write_behind requests: copies of full blocks computed since the previous output.
     full_blocks: FullBlocks | None = None
+    # With sampling.prompt_logprobs, on the first output only: entry i scores prompt
+    # token i (entry 0, for the first token, is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # keep_prompt_rows requests, first output only: [P-1, V] float32 log-softmax rows, row i
+    # the distribution of prompt token i + 1 given tokens 0..i.
+    prompt_logprob_rows: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -141,10 +153,13 @@ class Engine:
         output_token_ids: list[int] | None = None,
         kv_import: KvImport | None = None,
         write_behind: bool = False,
+        keep_prompt_rows: bool = False,
     ) -> Request:
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
         self.validate(prompt_token_ids, sampling, len(output_token_ids or ()))
+        if sampling.prompt_logprobs is not None:
+            kv_import = None  # every prompt position is computed here, as for prefix hits
         if kv_import is not None:
             self._check_import(kv_import, len(prompt_token_ids) + len(output_token_ids or ()))
         req = Request(
@@ -159,6 +174,7 @@ class Engine:
             hash_seed=self.config.hash_seed,
             write_behind=write_behind and not prefill_only,
             weight_identity=self.weight_identity,
+            keep_prompt_rows=keep_prompt_rows,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -237,8 +253,12 @@ class Engine:
                 num_known = item.request.num_computed_tokens // self.block_size
                 item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
-        logits, sampling = self.runner.execute(plan.scheduled, block_tables)
+        step = self.runner.execute(plan.scheduled, block_tables)
+        logits, sampling = step.logits, step.sampling
         for item in plan.scheduled:
+            rows = step.prompt_logprobs.get(item.request.request_id)
+            if rows is not None:
+                self._score_prompt(item, rows)
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.publish_full_blocks(item.request)
             if item.request.write_behind:
@@ -259,6 +279,7 @@ class Engine:
                 full_blocks=FullBlocks.join(req.pending_writes),
             )
             req.pending_writes = []
+            self._hand_out_prompt_logprobs(req, out)
             if finished:
                 out.finish_reason = self._finish(req).finish_reason
             elif req.prefill_only:
@@ -266,6 +287,36 @@ class Engine:
                 out.finish_reason = FinishReason.PREFILLED
             outputs.append(out)
         return outputs
+
+    def _score_prompt(self, item: ScheduledRequest, rows: torch.Tensor) -> None:
+        """Turns this chunk's log-softmax rows [m, V] into the request's prompt logprobs
+        (before num_computed_tokens moves past the chunk)."""
+        req = item.request
+        positions = item.prompt_logprob_positions
+        assert (
+            req.prompt_logprobs is not None and len(req.prompt_logprobs) == positions.start + 1
+        ), f"{req.request_id}: prompt position {positions.start} scored out of order"
+        targets = req.token_ids[positions.start + 1 : positions.stop + 1]
+        num_top = req.sampling.prompt_logprobs or 0
+        req.prompt_logprobs.extend(prompt_logprob_entries(rows, targets, num_top))
+        if req.prompt_logprob_rows is not None:
+            req.prompt_logprob_rows.append(rows)
+
+    def _hand_out_prompt_logprobs(self, req: Request, out: RequestOutput) -> None:
+        """The first output of a request with prompt logprobs carries them, once."""
+        if req.prompt_logprobs is None or req.prompt_logprobs_sent:
+            return
+        assert len(req.prompt_logprobs) == req.num_prompt_tokens, (
+            f"{req.request_id}: {len(req.prompt_logprobs)} of {req.num_prompt_tokens} prompt "
+            "tokens scored at its first output"
+        )
+        out.prompt_logprobs = req.prompt_logprobs
+        if req.prompt_logprob_rows is not None:
+            V = self.spec.vocab_size
+            rows = req.prompt_logprob_rows
+            out.prompt_logprob_rows = torch.cat(rows) if rows else torch.empty(0, V)
+            req.prompt_logprob_rows = None
+        req.prompt_logprobs_sent = True
 
     def _copy_full_blocks(self, req: Request) -> None:
         """Copies the request's newly full, computed blocks for write-behind (the blocks

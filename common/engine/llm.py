@@ -10,6 +10,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, TokenLogprob
@@ -27,12 +29,16 @@ class Completion:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With sampling.prompt_logprobs: entry i scores prompt token i (entry 0 is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: one already loaded for this model (several engines of one model
+        share it), else the checkpoint's is loaded."""
         self.engine = Engine(config)
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = tokenizer or Tokenizer(config.model)
         self._ids = itertools.count()
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
@@ -65,6 +71,8 @@ class LLM:
                 done.token_ids += out.new_token_ids
                 done.logprobs += [lp for lp in out.new_logprobs if lp is not None]
                 done.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    done.prompt_logprobs = out.prompt_logprobs
                 detok = detoks[out.request_id]
                 done.text += detok.add(out.new_token_ids)
                 if detok.stop_string is not None and not out.finished:
@@ -75,3 +83,27 @@ class LLM:
                     done.finish_reason = out.finish_reason.value
                     pending.discard(out.request_id)
         return [completions[r] for r in order]
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token distributions over a window: [T-1, V] float32 log-softmax, row i that
+        of token i + 1 given tokens 0..i. Runs the engine's own prefill (chunked as any
+        prompt, every position computed) as a request with prompt logprobs."""
+        if len(token_ids) < 2:
+            raise ValueError(f"a window to score needs at least 2 tokens, got {len(token_ids)}")
+        request_id = f"score-{next(self._ids)}"
+        sampling = SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+        self.engine.add_request(request_id, token_ids, sampling, keep_prompt_rows=True)
+        rows: torch.Tensor | None = None
+        finished = False
+        while not finished:
+            for out in self.engine.step():
+                if out.request_id != request_id:
+                    continue
+                if out.prompt_logprob_rows is not None:
+                    rows = out.prompt_logprob_rows
+                finished = out.finished
+        if rows is None:  # finished before its first token: the KV pool cannot hold it
+            raise ValueError(
+                f"a window of {len(token_ids)} tokens does not fit this engine's KV pool"
+            )
+        return rows

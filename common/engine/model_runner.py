@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and the KV cache tensors; turns a schedule into logits.
 
-Shapes: T = tokens in the step, n = sequences sampled, L/N/S/Hkv/D as in the KV cache
+Shapes: T = tokens in the step, n = sequences sampled, m = prompt positions scored for one
+request (prompt_logprobs), V = vocab, L/N/S/Hkv/D as in the KV cache
 ``[L, 2, N, S, Hkv, D]``. Token order: single-token queries first, then prefill chunks.
 An int8 / fp8 cache (``kv_dtype``) also has ``kv_scales [L, 2, N, Hkv]`` float32, one scale
 per (layer, K or V, block, kv head); see kernels/kv_quant.py for the format.
@@ -9,6 +10,7 @@ per (layer, K or V, block, kv head); see kernels/kv_quant.py for the format.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -24,6 +26,21 @@ from common.models.quant.load import weight_bytes
 from common.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose logits are computed at once for prompt logprobs: bounds the float32
+# logits held besides the output rows to this many vocab-wide rows.
+PROMPT_LOGITS_SLICE = 128
+
+
+@dataclass
+class StepLogits:
+    """What one step's forward pass hands the engine."""
+
+    logits: torch.Tensor  # [n, V'] float32, the sampling requests' last positions, in order
+    sampling: list[ScheduledRequest]
+    # Requests with prompt logprobs to score in this step, by request id: float32
+    # log-softmax over the vocab at ``item.prompt_logprob_positions``, [m, V].
+    prompt_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -119,8 +136,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
-    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Runs one step; returns logits [n, V] for the requests that sample, in order."""
+    ) -> StepLogits:
+        """Runs one step; returns logits [n, V] for the requests that sample, in order, and
+        log-softmax rows for the prompt positions requests with prompt logprobs score."""
         for item in scheduled:
             if item.import_block_ids:
                 self._import(item)
@@ -185,14 +203,30 @@ class ModelRunner:
 
         sampling = [s for s in ordered if s.samples]
         last_index: list[int] = []
+        prompt_logprobs: dict[str, torch.Tensor] = {}
         offset = 0
         for item in ordered:
+            scored = item.prompt_logprob_positions  # empty unless prompt_logprobs
+            if scored:
+                first = offset + scored.start - item.request.num_computed_tokens
+                rows = hidden[first : first + len(scored)]
+                prompt_logprobs[item.request.request_id] = self._log_softmax(rows)
             offset += item.num_new_tokens
             if item.samples:
                 last_index.append(offset - 1)
         index = torch.tensor(last_index, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[index])
-        return logits, sampling
+        return StepLogits(logits, sampling, prompt_logprobs)
+
+    def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[m, H] hidden states -> [m, V] float32 log-softmax of their logits over the vocab
+        (padded vocab columns dropped), PROMPT_LOGITS_SLICE rows at a time."""
+        V = self.spec.vocab_size
+        out = torch.empty((hidden.shape[0], V), dtype=torch.float32, device=self.device)
+        for i in range(0, hidden.shape[0], PROMPT_LOGITS_SLICE):
+            logits = self.model.compute_logits(hidden[i : i + PROMPT_LOGITS_SLICE])[:, :V]
+            torch.log_softmax(logits.float(), dim=-1, out=out[i : i + PROMPT_LOGITS_SLICE])
+        return out
 
     def _import(self, item: ScheduledRequest) -> None:
         self.check_kv_transferable("import")

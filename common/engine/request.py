@@ -81,6 +81,7 @@ class Request:
         hash_seed: str = "",
         write_behind: bool = False,
         weight_identity: str | None = None,
+        keep_prompt_rows: bool = False,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -99,6 +100,15 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
+        # sampling.prompt_logprobs: entry i scores prompt token i (None for token 0), grown
+        # as prefill chunks run; handed out once, with the first output. keep_prompt_rows
+        # (in-process scoring) also keeps the full log-softmax rows, [m, V] per chunk.
+        wants = sampling.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if wants else None
+        self.prompt_logprob_rows: list[torch.Tensor] | None = (
+            [] if wants and keep_prompt_rows else None
+        )
+        self.prompt_logprobs_sent = False
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         # The chain of full-block hashes over token_ids, grown as tokens arrive.
@@ -127,6 +137,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens are still to be scored: every position up to the last prompt
+        token must then be computed here (no prefix-cache hit may skip one)."""
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    def prompt_logprob_positions(self, start: int, num_new: int) -> range:
+        """The positions of ``[start, start + num_new)`` whose logits score a prompt token
+        not scored yet (position p scores token p + 1); empty for most requests."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs) - 1)
+        end = min(start + num_new, self.num_prompt_tokens - 1)
+        return range(first, max(first, end))
 
     def update_block_hashes(self, block_size: int) -> None:
         num_full = len(self.token_ids) // block_size

@@ -118,3 +118,21 @@ def _logprob_entry(logprobs: torch.Tensor, token_id: int, num_top: int) -> Token
         values, ids = torch.topk(logprobs, num_top)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def prompt_logprob_entries(
+    rows: torch.Tensor, token_ids: list[int], num_top: int
+) -> list[TokenLogprob]:
+    """rows: [m, V] float32 log-softmax at m prompt positions; token_ids: the m prompt tokens
+    those positions score (each position's next token). One entry per row."""
+    targets = torch.tensor(token_ids, dtype=torch.long, device=rows.device).unsqueeze(1)
+    own = rows.gather(1, targets).squeeze(1).tolist()  # [m]
+    if not num_top:
+        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, own, strict=True)]
+    values, ids = torch.topk(rows, num_top, dim=-1)  # [m, k]
+    return [
+        TokenLogprob(t, lp, list(zip(top_ids, top_values, strict=True)))
+        for t, lp, top_ids, top_values in zip(
+            token_ids, own, ids.tolist(), values.tolist(), strict=True
+        )
+    ]

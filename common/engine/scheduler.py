@@ -23,6 +23,13 @@ class ScheduledRequest:
     import_block_ids: list[int] = field(default_factory=list)  # blocks to fill from kv_import
 
     @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score prompt tokens (prompt_logprobs)."""
+        return self.request.prompt_logprob_positions(
+            self.request.num_computed_tokens, self.num_new_tokens
+        )
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a token is sampled."""
         req = self.request
@@ -131,7 +138,9 @@ class Scheduler:
             req.num_computed_tokens = num_imported
             req.status = RequestStatus.RUNNING
             return ScheduledRequest(req, num_new, import_block_ids=block_ids)
-        hits = self.kv.computed_prefix(req)
+        # Prompt logprobs come from the logits of every prompt position: none may be skipped
+        # (as vLLM, such a request recomputes its prefix; its blocks are still published).
+        hits = [] if req.needs_prompt_logprobs else self.kv.computed_prefix(req)
         num_hit_tokens = len(hits) * self.kv.block_size
         num_new = min(req.num_tokens - num_hit_tokens, budget)
         if not self.kv.allocate_slots(req, num_new, hits):
