@@ -78,11 +78,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             kv_import, transfer = await self._fetch(
                 request.kv_handle, prompt, generated, salt, timeout
             )
-        else:
+        elif sampling.prompt_logprobs is None:
             kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
             if kv_import is not None:
                 transfer.peer = BLOCK_STORE
                 transfer.num_bytes = kv_import.data.numel() * kv_import.data.element_size()
+        if sampling.prompt_logprobs is not None:
+            kv_import = None  # prompt logprobs: the engine computes every position itself
         imported = kv_import.num_tokens if kv_import is not None else 0
         admitted = time.monotonic()
 
@@ -113,6 +115,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if sampling.logprobs or sampling.top_logprobs:
                         message.logprobs.extend(
                             logprob_pb(lp) for lp in out.new_logprobs if lp is not None
+                        )
+                    if out.prompt_logprobs is not None:  # entry 0 (the first token) is None
+                        message.prompt_logprobs.extend(
+                            logprob_pb(lp) for lp in out.prompt_logprobs if lp is not None
                         )
                     if not published:
                         # The prompt's full blocks now sit in this worker's cache.

@@ -149,7 +149,9 @@ class DecodeStreamer:
                 if not attempt.started:
                     attempt.started = True
                     self.breakers.success(decode_id)
-                reply = relay.message(list(message.token_ids), list(message.logprobs))
+                reply = relay.message(
+                    list(message.token_ids), list(message.logprobs), message.prompt_logprobs
+                )
                 if attempt.account_cached and message.finish_reason:
                     relay.cached_tokens = min(
                         len(relay.prompt), message.cached_tokens + message.imported_tokens

@@ -14,9 +14,10 @@ The continuation is the same DecodeRequest with ``local_prefill`` and every toke
 client has been sent as ``generated_token_ids``: the new worker imports the full blocks of
 that context from the block store (the prefill worker wrote the prompt's, decode workers
 write theirs behind) and computes only the tail. Sampling resumes at output position
-``len(generated_token_ids)`` with the same seed and max_tokens, and the gateway keeps the
-request's detokenizer and stop-string state (``Relay``), so no token or character is lost
-or repeated. A request migrates at most ``max_migrations`` times, never back to a process
+``len(generated_token_ids)`` with the same seed and max_tokens (prompt logprobs, which
+travel with the first token, are asked for again only when no token had arrived), and the
+gateway keeps the request's detokenizer and stop-string state (``Relay``), so no token or
+character is lost or repeated. A request migrates at most ``max_migrations`` times, never back to a process
 whose stream broke (a restarted worker with the same id is a new process: its pid
 differs).
 """
@@ -95,6 +96,8 @@ def continuation(
     resumed.CopyFrom(request)
     resumed.local_prefill = True  # clears kv_handle (one of kv_source)
     resumed.generated_token_ids[:] = generated_token_ids
+    if generated_token_ids:  # the first token came with the prompt logprobs
+        resumed.sampling.ClearField("prompt_logprobs")
     return resumed
 
 

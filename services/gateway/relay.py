@@ -4,6 +4,7 @@ the per-token metrics (time to first token, time per output token, token counts)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from common.telemetry.metrics import RequestMetrics
@@ -35,7 +36,13 @@ class Relay:
         self.num_migrations = 0  # decode streams that broke and continued elsewhere
         self.finish_reason: str | None = None  # set once the final message is built
 
-    def message(self, token_ids: list[int], logprobs: list[Any]) -> gateway_pb2.GenerateResponse:
+    def message(
+        self,
+        token_ids: list[int],
+        logprobs: list[Any],
+        prompt_logprobs: Sequence[common_pb2.TokenLogprob] = (),
+    ) -> gateway_pb2.GenerateResponse:
+        """The next message to the client; ``prompt_logprobs`` travel with the first token."""
         self.generated += token_ids
         if token_ids:
             now = time.monotonic()
@@ -52,6 +59,7 @@ class Relay:
             text=self.detok.add(token_ids),
             token_ids=token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def finish(

@@ -241,7 +241,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         route: Route | None = None
         failure: BaseException | None = None
         try:
-            route, overlap = await self._route(request_id, prompt, salt)
+            # Prompt logprobs are computed from every position: no cached prefix counts.
+            reuse = sampling.prompt_logprobs is None
+            route, overlap = await self._route(request_id, prompt, salt, reuse_prefix=reuse)
             span.set_attributes(route_attributes(route))
             # aclosing: when the client goes away, _run's cleanup (lease release, cancelling
             # the decode call) runs now, not whenever the generator is collected.
@@ -260,11 +262,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             failure = None  # no frame <-> traceback cycle
 
     async def _route(
-        self, request_id: str, prompt: list[int], salt: str | None
+        self, request_id: str, prompt: list[int], salt: str | None, reuse_prefix: bool = True
     ) -> tuple[Route, dict[str, int]]:
         """The route, and the prefix overlap per location it was chosen on. Without Redis
         (index lookups fail, or are skipped while it is down) the overlap is empty: routing
-        goes by load on the last worker list read."""
+        goes by load on the last worker list read; so it is for a request that reuses no
+        cached prefix (``reuse_prefix`` False: prompt logprobs)."""
         with tracer().start_as_current_span("route") as span:
             prefills = await self.directory.by_role("prefill", self.model)
             decodes = await self.directory.by_role("decode", self.model)
@@ -290,7 +293,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 self.metrics.routed_without_index.inc()
             span.set_attribute("pdserve.route.index_used", indexed)
             span.set_attribute("pdserve.route.weights", weights or "float")
-            overlap = prefix_overlap(locations)
+            overlap = prefix_overlap(locations) if reuse_prefix else {}
             self.breakers.keep_only(w.worker_id for w in self.directory.known())
             route = self.router.choose(
                 request_id,
@@ -334,7 +337,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             decode_request.local_prefill = True
         else:
             relay.cached_tokens = prefilled.cached_tokens
-            first = relay.message([prefilled.first_token_id], _first_logprob(prefilled))
+            first = relay.message(
+                [prefilled.first_token_id], _first_logprob(prefilled), prefilled.prompt_logprobs
+            )
+            # Delivered with the first token: the decode worker need not compute them again.
+            decode_request.sampling.ClearField("prompt_logprobs")
             if prefilled.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 yield relay.finish(first, prefilled.finish_reason)
                 return

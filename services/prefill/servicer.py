@@ -51,13 +51,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         max_len = runtime.engine.max_model_len
         sampling = SamplingParams.from_pb(request.sampling, max(1, max_len - len(prompt)))
         salt = request.cache_salt or None
-        kv_import = await runtime.import_from_store(prompt, salt, remaining_timeout(context))
+        kv_import = None
+        if sampling.prompt_logprobs is None:  # prompt logprobs: every position computed here
+            kv_import = await runtime.import_from_store(prompt, salt, remaining_timeout(context))
         imported = kv_import.num_tokens if kv_import is not None else 0
 
         metrics = runtime.metrics.requests
         with tracer().start_as_current_span("prefill") as span:
             admitted = time.monotonic()
             last = None
+            prompt_logprobs = None
             try:
                 async for out in runtime.loop.generate(
                     request.request_id,
@@ -68,6 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     kv_import=kv_import,
                 ):
                     last = out
+                    prompt_logprobs = out.prompt_logprobs or prompt_logprobs
             except asyncio.CancelledError:
                 metrics.finished("abort")
                 raise
@@ -97,6 +101,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         if last.new_logprobs and last.new_logprobs[0] is not None:
             response.first_logprob.CopyFrom(logprob_pb(last.new_logprobs[0]))
+        if prompt_logprobs is not None:  # entry 0 (the first prompt token) is None
+            response.prompt_logprobs.extend(
+                logprob_pb(lp) for lp in prompt_logprobs if lp is not None
+            )
         if last.finish_reason is FinishReason.PREFILLED:
             response.kv_handle.CopyFrom(
                 await self._lease(request.request_id, prompt, salt, request.lease_id)
