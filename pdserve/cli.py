@@ -17,6 +17,7 @@ from pdserve.commands import (
     gateway,
     generate,
     health,
+    perplexity,
     restart,
     status,
     up,
@@ -36,6 +37,7 @@ COMMANDS = (
     blockstore,
     convert,
     bench,
+    perplexity,
 )
 
 

@@ -1,0 +1,331 @@
+"""``pdserve perplexity FILE``: a weight format's quality on a text, as llama.cpp's
+``llama-perplexity`` (with ``--kl-divergence`` when given ``--reference FORMAT``).
+
+FILE is tokenized whole with the model's tokenizer (no chat template, no special tokens)
+and cut into consecutive windows of ``--context`` tokens (the last one may be shorter).
+Every token of a window after its first is scored from the tokens before it in the same
+window; perplexity = exp(mean NLL) over all scored tokens. With ``--reference FORMAT`` a
+second engine in that format scores the same windows, and the mean KL(reference || tested)
+over the scored positions and the top-1 agreement (both argmaxes equal) are printed too.
+
+In process by default: each window is one request of the engine's own prefill
+(``LLM.score``: full log-softmax rows), one window at a time, so memory stays at two
+windows' distributions. ``--target HOST:PORT`` scores through a running gateway instead
+(prompt logprobs of ``GenerateRequest``; perplexity only: KL needs the full distributions,
+so ``--reference`` runs in process).
+
+Shapes: T = tokens in a window, V = vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common.models.quant.formats import QUANTIZATIONS
+from pdserve.engine_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.engine.llm import LLM
+    from common.text.tokenizer import Tokenizer
+
+# Default window: the model's context, capped so that a window's prefill and its [T, V]
+# float32 distributions stay small on a laptop (2 cores: about a second per window).
+DEFAULT_CONTEXT_CAP = 512
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "perplexity",
+        help="perplexity of a text (and KL divergence against a reference weight format)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("file", type=Path, metavar="FILE", help="UTF-8 text to score")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="also score with this weight format (e.g. none) and report KL(reference || "
+        "tested) and top-1 agreement; in process only",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help=f"tokens per window (default: the model's context, at most {DEFAULT_CONTEXT_CAP})",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="use only the first N tokens of FILE"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="score through the gateway at HOST:PORT (prompt logprobs; perplexity only)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="with --target: sent as 'authorization: Bearer KEY' (env PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PDSERVE_GATEWAY_CA"),
+        help="with --target: PEM CA of a gateway serving TLS (env PDSERVE_GATEWAY_CA)",
+    )
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def windows(token_ids: list[int], context: int) -> list[list[int]]:
+    """Consecutive windows of ``context`` tokens; a last one shorter than 2 is dropped (it
+    scores nothing)."""
+    cut = [token_ids[i : i + context] for i in range(0, len(token_ids), context)]
+    return [w for w in cut if len(w) >= 2]
+
+
+@dataclass
+class Scores:
+    """Sums over every scored position of every window so far."""
+
+    num_scored: int = 0
+    nll: float = 0.0
+    reference_nll: float = 0.0
+    kl: float = 0.0
+    kl_max: float = 0.0
+    num_top1_same: int = 0
+
+    def add(self, rows: torch.Tensor, window: list[int], reference: torch.Tensor | None) -> None:
+        """rows, reference: [T-1, V] log-softmax, row i scoring window[i + 1]."""
+        import torch
+
+        targets = torch.tensor(window[1:], dtype=torch.long).unsqueeze(1)  # [T-1, 1]
+        self.num_scored += len(window) - 1
+        self.nll -= float(rows.gather(1, targets).sum(dtype=torch.float64))
+        if reference is None:
+            return
+        self.reference_nll -= float(reference.gather(1, targets).sum(dtype=torch.float64))
+        # KL(P_ref || P_test) per position: sum_v p_ref (log p_ref - log p_test).
+        kl = (reference.exp() * (reference - rows)).sum(dim=-1, dtype=torch.float64)  # [T-1]
+        self.kl += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
+        self.num_top1_same += int((reference.argmax(-1) == rows.argmax(-1)).sum())
+
+    def add_nll(self, logprobs: list[float]) -> None:
+        """Prompt logprobs of the window's scored tokens (the --target path)."""
+        self.num_scored += len(logprobs)
+        self.nll -= math.fsum(logprobs)
+
+    def report(self, has_reference: bool) -> dict[str, Any]:
+        n = max(self.num_scored, 1)
+        out: dict[str, Any] = {
+            "num_scored_tokens": self.num_scored,
+            "mean_nll": self.nll / n,
+            "perplexity": math.exp(self.nll / n),
+        }
+        if has_reference:
+            out.update(
+                reference_mean_nll=self.reference_nll / n,
+                reference_perplexity=math.exp(self.reference_nll / n),
+                kl_divergence=self.kl / n,
+                kl_divergence_max=self.kl_max,
+                top1_agreement=self.num_top1_same / n,
+            )
+        return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context is not None and args.context < 2:
+        raise ValueError(f"--context must be >= 2, got {args.context}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    if args.target and args.reference:
+        raise ValueError(
+            "--reference needs both formats' full distributions: run it in process "
+            "(without --target); through a gateway only the perplexity is measured"
+        )
+    from common.models.default_model import resolve_model
+
+    model_dir = resolve_model(args.model)
+    text = args.file.read_text(encoding="utf-8")
+    start = time.monotonic()
+    if args.target:
+        import grpc
+
+        try:
+            report = _score_remote(args, model_dir, text)
+        except grpc.aio.AioRpcError as exc:
+            print(f"pdserve perplexity: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    else:
+        report = _score_local(args, model_dir, text)
+    report["seconds"] = round(time.monotonic() - start, 3)
+    report["file"] = str(args.file)
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        _print_report(report)
+    return 0
+
+
+def _tokenize(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> list[int]:
+    # verbose=False: no warning that the text is longer than the model's context.
+    encoded = tokenizer.hf(text, add_special_tokens=False, verbose=False)
+    ids = [int(t) for t in encoded.input_ids]
+    return ids[:max_tokens] if max_tokens is not None else ids
+
+
+def _context(requested: int | None, max_model_len: int) -> int:
+    """Tokens per window: a window and its one sampled token must fit the context."""
+    limit = max_model_len - 1
+    if requested is None:
+        return min(DEFAULT_CONTEXT_CAP, limit)
+    if requested > limit:
+        raise ValueError(f"--context {requested} exceeds the model's context ({limit} tokens)")
+    return requested
+
+
+def _llm(
+    args: argparse.Namespace,
+    model_dir: str,
+    tokenizer: Tokenizer,
+    quantization: str | None,
+    context: int,
+) -> LLM:
+    from common.engine.llm import LLM
+
+    config = engine_config_from_args(args, model_dir)
+    overrides: dict[str, Any] = {}
+    if quantization is not None:
+        overrides["quantization"] = quantization
+    if args.num_kv_blocks is None and args.kv_cache_memory is None:
+        # One window at a time: a pool just big enough for it and its sampled token.
+        overrides["num_kv_blocks"] = -(-(context + 1) // config.block_size)
+    llm = LLM(dataclasses.replace(config, **overrides), tokenizer)
+    if context >= llm.engine.max_model_len:
+        raise ValueError(
+            f"a window of {context} tokens does not fit this engine's context "
+            f"({llm.engine.max_model_len} tokens, KV pool included); lower --context"
+        )
+    return llm
+
+
+def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[str, Any]:
+    from common.models.spec import load_spec
+    from common.text.tokenizer import Tokenizer
+
+    spec = load_spec(model_dir)
+    max_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    context = _context(args.context, max_len)
+    tokenizer = Tokenizer(model_dir)
+    tested = _llm(args, model_dir, tokenizer, None, context)
+    reference = None
+    if args.reference:
+        reference = _llm(args, model_dir, tokenizer, args.reference, context)
+    token_ids = _tokenize(tokenizer, text, args.max_tokens)
+    parts = windows(token_ids, context)
+    if not parts:
+        raise ValueError(f"{args.file} has {len(token_ids)} tokens; at least 2 are needed")
+    scores = Scores()
+    for window in parts:
+        rows = tested.score(window)
+        ref_rows = reference.score(window) if reference is not None else None
+        scores.add(rows, window, ref_rows)
+        del rows, ref_rows
+    report: dict[str, Any] = {
+        "model": model_dir,
+        "weights": tested.engine.runner.weight_format.describe(),
+        "context": context,
+        "num_windows": len(parts),
+        "num_tokens": len(token_ids),
+    }
+    if reference is not None:
+        report["reference_weights"] = reference.engine.runner.weight_format.describe()
+    report.update(scores.report(reference is not None))
+    return report
+
+
+def _score_remote(args: argparse.Namespace, model_dir: str, text: str) -> dict[str, Any]:
+    import asyncio
+
+    return asyncio.run(_score_remote_async(args, model_dir, text))
+
+
+async def _score_remote_async(
+    args: argparse.Namespace, model_dir: str, text: str
+) -> dict[str, Any]:
+    from common.engine.sampling_params import SamplingParams
+    from common.text.tokenizer import Tokenizer
+    from pdserve.client import GatewayClient
+    from pdserve.gateway.v1 import gateway_pb2
+
+    client = GatewayClient(args.target, args.api_key, args.tls_ca)
+    try:
+        info = await client.stub.GetModelInfo(
+            gateway_pb2.GetModelInfoRequest(), timeout=30, metadata=client.metadata
+        )
+        token_ids = _tokenize(Tokenizer(model_dir), text, args.max_tokens)
+        if any(t >= info.vocab_size for t in token_ids):
+            raise ValueError(
+                f"the tokenizer of {model_dir} is not that of {info.model} served at "
+                f"{args.target} (token ids beyond its vocabulary of {info.vocab_size})"
+            )
+        context = _context(args.context, info.max_context_tokens)
+        parts = windows(token_ids, context)
+        if not parts:
+            raise ValueError(f"{args.file} has {len(token_ids)} tokens; at least 2 are needed")
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+        scores = Scores()
+        for window in parts:
+            logprobs: list[float] = []
+            async for message in client.stream(token_ids=window, sampling=sampling):
+                logprobs += [entry.logprob for entry in message.prompt_logprobs]
+            if len(logprobs) != len(window) - 1:
+                raise RuntimeError(
+                    f"the gateway returned {len(logprobs)} prompt logprobs for a window of "
+                    f"{len(window)} tokens (expected {len(window) - 1})"
+                )
+            scores.add_nll(logprobs)
+    finally:
+        await client.close()
+    report: dict[str, Any] = {
+        "model": info.model,
+        "target": args.target,
+        "context": context,
+        "num_windows": len(parts),
+        "num_tokens": len(token_ids),
+    }
+    report.update(scores.report(False))
+    return report
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    where = report.get("target") or report.get("weights")
+    print(
+        f"{report['model']} ({where}): {report['num_tokens']} tokens in "
+        f"{report['num_windows']} windows of {report['context']}, "
+        f"{report['num_scored_tokens']} scored"
+    )
+    print(f"perplexity {report['perplexity']:.4f} (mean NLL {report['mean_nll']:.6f})")
+    if "reference_perplexity" in report:
+        ratio = report["perplexity"] / report["reference_perplexity"]
+        print(
+            f"reference ({report['reference_weights']}): perplexity "
+            f"{report['reference_perplexity']:.4f}; tested / reference {ratio:.4f}"
+        )
+        print(
+            f"KL(reference || tested): mean {report['kl_divergence']:.6f}, max "
+            f"{report['kl_divergence_max']:.4f}; top-1 agreement {report['top1_agreement']:.4f}"
+        )
+    print(f"{report['seconds']:.1f} s")
