@@ -14,6 +14,12 @@ windows' distributions. ``--target HOST:PORT`` scores through a running gateway 
 (prompt logprobs of ``GenerateRequest``; perplexity only: KL needs the full distributions,
 so ``--reference`` runs in process).
 
+The engine flags apply to both engines. Quantized weights are multiplied two ways: prefill
+chunks of 48 rows or more dequantize them for a float GEMM, smaller batches (every decode
+step) take the packed C++ kernels and their activation codes (``--quant-act-bits``). A
+window is one chunk by default; ``--max-num-batched-tokens 32`` scores it in chunks the
+packed kernels compute, which is what generation runs on.
+
 Shapes: T = tokens in a window, V = vocab.
 """
 
