@@ -264,7 +264,8 @@ def test_q4_dequantize_rejects_bad_row_ranges() -> None:
 def test_torch_kernel_path_within_bfloat16_tolerance(kind: str, group: int | str, m: int) -> None:
     """torch's packed kernels take bfloat16 x (and, for Q4, bfloat16 scale and zero)."""
     gen = torch.Generator().manual_seed(m)
-    k, n = 512, 208  # torch's int4pack needs N % 16 == 0
+    # torch's int4pack packs rows in sixteens: 200 rows are padded to 208 and sliced back.
+    k, n = 512, 200
     w = make_weight(kind, n, k, group, gen)
     x = torch.randn(m, k, generator=gen)
     out = PackedMatmul(w, QuantCompute("torch"))(x)
@@ -275,6 +276,18 @@ def test_torch_kernel_path_within_bfloat16_tolerance(kind: str, group: int | str
     assert rel <= TORCH_KERNEL_REL_TOL
     # Not the float64 answer to float32 precision: bfloat16 does show (the test sees the path).
     assert rel > 1e-5
+
+
+def test_cpp_kernels_refuse_input_widths_off_32_at_construction() -> None:
+    """A layer the C++ kernels cannot run fails when the model loads, naming the way out,
+    not at the first request; torch's kernels take it."""
+    w = Q8Weight.quantize_per_channel(torch.randn(8, 112))
+    with pytest.raises(ValueError, match=r"multiples of 32; this layer has 112.*quant-kernel torch"):
+        PackedMatmul(w, QuantCompute("cpp"))
+    x = torch.randn(3, 112)
+    out = PackedMatmul(w, QuantCompute("torch"))(x)
+    ref = x.double() @ w.dequantize().double().t()
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < TORCH_KERNEL_REL_TOL
 
 
 def test_torch_kernel_blocked_q8_is_dequantize_then_gemm() -> None:

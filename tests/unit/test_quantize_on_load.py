@@ -196,13 +196,20 @@ def _top1(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return (torch.cat(a).argmax(-1) == torch.cat(b).argmax(-1)).float().mean().item()
 
 
-def _expected_weight_bytes(float_engine: Engine, name: str, group_size: int) -> int:
+def _expected_weight_bytes(
+    float_engine: Engine, name: str, group_size: int, kernel: str
+) -> int:
     """Bytes the quantized model holds, from the float model's shapes: an [N, K] weight is
-    int8 N K + a float16 scale per row, or int4 N K / 2 + float16 scale and min per group;
-    the head int8 per row (a tied embedding shares its table); the rest float32."""
+    int8 N K + a float16 scale per row, or int4 N K / 2 + float16 scale and min per group
+    (torch's int4 layout pads N to a multiple of 16, with bfloat16 scale and zero); the head
+    int8 per row (a tied embedding shares its table); the rest, biases included, float32."""
 
     def packed(n: int, k: int) -> int:
-        return n * k + 2 * n if name == "int8" else n * k // 2 + 4 * n * (k // group_size)
+        if name == "int8":
+            return n * k + 2 * n
+        if kernel == "torch":
+            n = -(-n // 16) * 16
+        return n * k // 2 + 4 * n * (k // group_size)
 
     model = float_engine.runner.model
     total, replaced = 0, set()
@@ -288,11 +295,7 @@ def test_quantized_engine_matches_dequantized_float_weights(
     ratio = held / float_engine.runner.weight_bytes
     print(f"{family.name} {fmt} {kernel}: weight bytes {ratio:.3f} of float32")
     assert ratio < (0.45 if name == "int8" else 0.4)
-    # Exact where weight_bytes counts every byte today: it leaves a quantized layer's bias
-    # out, and under torch's Q4 layout (the original packed weight dropped) it keys layers by
-    # the id() of freed tensors, which repeat.
-    if not engine.spec.qkv_bias and (kernel == "cpp" or name == "int8"):
-        assert held == _expected_weight_bytes(float_engine, name, group_size)
+    assert held == _expected_weight_bytes(float_engine, name, group_size, kernel)
 
     _, logits = _greedy(engine, forced=float_tokens)
     rms_float, top1 = _rel_rms(logits, float_logits), _top1(logits, float_logits)

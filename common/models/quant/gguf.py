@@ -193,7 +193,13 @@ class GgufCheckpoint:
             m = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, k // 32)
             qs = blocks[..., 4:]
         else:  # Q4_0: w = d * (q - 8) = q * d + (-8 d); -8 d is exact in float16
-            m = (d.float() * -8).to(torch.float16)
+            m32 = d.float() * -8
+            if bool((m32.abs() > 65504).any()):
+                raise GgufError(
+                    f"{self.path.name}: tensor {tensor.name!r} has Q4_0 scales above 8188, "  # type: ignore[attr-defined]
+                    "whose -8 * scale does not fit float16 (--quantization none reads it)"
+                )
+            m = m32.to(torch.float16)
             qs = blocks[..., 2:]
         return Q4Weight(qs.contiguous().view(rows, k // 2), d.contiguous(), m.contiguous(), 32)
 

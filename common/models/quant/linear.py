@@ -49,21 +49,34 @@ _CHUNK_ELEMENTS = 1 << 20  # float32 elements dequantized at once (4 MiB)
 
 class _TorchQ4:
     """A Q4 weight in torch's int4pack layout: codes converted once, (scale, zero) bfloat16
-    [K/G, N, 2] with ``zero = min + 8 * scale`` (torch computes ``(q - 8) * scale + zero``)."""
+    [K/G, N, 2] with ``zero = min + 8 * scale`` (torch computes ``(q - 8) * scale + zero``).
+    torch packs rows in sixteens: other row counts are padded with zero rows, sliced off."""
 
     def __init__(self, weight: Q4Weight) -> None:
+        n = weight.shape[0]
+        self.num_rows = n
+        pad = -n % 16
         codes = cpu_quant.unpack_q4_codes(weight.qweight).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         scales, mins = weight.scales.float(), weight.mins.float()
+        if pad:
+            codes = F.pad(codes, (0, 0, 0, pad))
+            scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         zeros = mins + 8 * scales
-        self.scale_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
+        self.scale_zeros = (
+            torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        )
         self.group_size = weight.group_size
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zeros))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zeros.contiguous()
+            x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zeros
         )
-        return out.float()
+        return out[:, : self.num_rows].float()
 
 
 def _dense_in_chunks(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
@@ -106,15 +119,22 @@ class PackedMatmul:
         self.kernel = compute.kernel
         self.act_bits = compute.act_bits
         self.shape = weight.shape
-        self.num_bytes = weight.num_bytes
-        self.storage_id = id(weight.qweight)  # shared tables (a tied head) count once
         self.description = _describe(weight)
+        if self.kernel == "cpp" and weight.shape[1] % 32:
+            raise ValueError(
+                f"the C++ kernels need input features in multiples of 32; this layer has "
+                f"{weight.shape[1]} (use --quant-kernel torch, or --quantization none)"
+            )
         # torch's Q4 kernel reads its own layout: converted once, the original dropped.
         self.weight: QuantWeight | None = weight
         self._torch_q4: _TorchQ4 | None = None
         if self.kernel == "torch" and isinstance(weight, Q4Weight):
             self._torch_q4 = _TorchQ4(weight)
             self.weight = None
+        held = self._torch_q4 if self._torch_q4 is not None else weight
+        self.num_bytes = held.num_bytes
+        # The tensor held, by identity: a table shared by two layers (a tied head) counts once.
+        self.storage = held.packed if isinstance(held, _TorchQ4) else weight.qweight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._torch_q4 is not None:

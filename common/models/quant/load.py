@@ -145,15 +145,21 @@ def _fuse(parts: list[QuantWeight]) -> list[QuantWeight]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as held: packed layers at their packed size."""
-    total = 0
-    packed: dict[int, int] = {}  # a tied head and embedding share one table: count it once
+    # Keyed by the tensors themselves (kept alive here, so ids cannot be reused): a tied head
+    # and embedding share one table, counted once.
+    held: dict[int, tuple[torch.Tensor, int]] = {}
     for module in model.modules():
+        matmuls = []
         if isinstance(module, QuantLinear):
-            packed.update((p.storage_id, p.num_bytes) for p in module.parts)
+            matmuls = module.parts
+            if module.bias is not None:
+                held[id(module.bias)] = (module.bias, module.bias.numel() * 4)
         elif isinstance(module, QuantExperts):
-            packed.update((p.storage_id, p.num_bytes) for p in module.gate_up + module.down)
+            matmuls = module.gate_up + module.down
         elif isinstance(module, QuantEmbedding):
-            packed[id(module.table.qweight)] = module.table.num_bytes
-    total += sum(packed.values())
+            held[id(module.table.qweight)] = (module.table.qweight, module.table.num_bytes)
+        for matmul in matmuls:
+            held[id(matmul.storage)] = (matmul.storage, matmul.num_bytes)
+    total = sum(num_bytes for _, num_bytes in held.values())
     total += sum(p.numel() * p.element_size() for p in model.parameters())
     return total
