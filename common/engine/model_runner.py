@@ -80,7 +80,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.weight_format = resolve_weight_format(
             config.quantization, config.quant_group_size, config.quant_kernel, config.model,
-            config.quant_act_bits,
+            config.quant_act_bits, self.device.type,
         )  # fmt: skip
         self.backend = select_backend(
             config.attention_backend, self.device, spec.sliding_window,

@@ -104,7 +104,8 @@ def _max_over_mean(loads: Sequence[float]) -> float:
     total = sum(loads)
     if total <= 0:
         return 1.0
-    return max(loads) / (total / len(loads))
+    # max * n / total, not max / (total / n): the mean of subnormal loads underflows to 0.
+    return max(loads) * len(loads) / total
 
 
 def contiguous_placement(num_experts: int, num_devices: int) -> list[list[int]]:
