@@ -74,6 +74,9 @@ class EngineConfig:
     # Bits x is quantized to inside the C++ kernels (per 32 elements): 16 near-exact, 8
     # llama.cpp's activations, faster; see loadtest/bench_quant.py and pdserve perplexity.
     quant_act_bits: int = 16
+    # Decode-only steps of dense models with quantized weights in one C++ call
+    # (common/models/quant/fused_decode.py); off = the Python path, the same arithmetic.
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -123,11 +126,14 @@ class EngineConfig:
             "quantization": os.environ.get("PDSERVE_QUANTIZATION"),
             "quant_kernel": os.environ.get("PDSERVE_QUANT_KERNEL"),
             "quant_act_bits": os.environ.get("PDSERVE_QUANT_ACT_BITS"),
+            "fused_decode": os.environ.get("PDSERVE_FUSED_DECODE"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
         for name in ("num_threads", "quant_act_bits"):
             if name in values:
                 values[name] = int(str(values[name]))
+        if "fused_decode" in values:
+            values["fused_decode"] = str(values["fused_decode"]).lower() not in ("0", "false", "no")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(model=model, **values)  # type: ignore[arg-type]
 

@@ -22,6 +22,7 @@ from common.engine.config import EngineConfig, parse_memory_budget
 from common.engine.scheduler import ScheduledRequest
 from common.models.loader import CausalLM, build_model
 from common.models.quant.formats import resolve_weight_format
+from common.models.quant.fused_decode import FusedDecoder
 from common.models.quant.load import weight_bytes
 from common.models.spec import ModelSpec
 
@@ -108,6 +109,8 @@ class ModelRunner:
             )
             for i in range(L)
         ]
+        if config.fused_decode and self.weight_format.quantized:
+            self.model.fused_decoder = FusedDecoder.build(self.model, self.layer_kv)
         self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
         log.info(
             "weights: %s, %.1f MiB", self.weight_format.describe(), self.weight_bytes / 2**20

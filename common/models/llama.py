@@ -22,6 +22,7 @@ from common.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from common.models.moe import ExpertLoadRecorder
+    from common.models.quant.fused_decode import FusedDecoder
 
 
 class Attention(nn.Module):
@@ -120,6 +121,8 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 class LlamaForCausalLM(nn.Module):
     # Tokens routed per expert, for MoE models (common/models/moe.py); None for dense ones.
     expert_load: ExpertLoadRecorder | None = None
+    # Decode-only steps in one C++ call (common/models/quant/fused_decode.py), when set.
+    fused_decoder: FusedDecoder | None = None
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -157,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         kv: Sequence[LayerKV],  # one per layer
         metadata: Any,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        if self.fused_decoder is not None and self.fused_decoder.applies(metadata):
+            return self.fused_decoder(input_ids, positions, metadata)
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, layer_kv in zip(self.layers, kv, strict=True):

@@ -26,7 +26,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("module.cpp", "quant_matmul.cpp", "ops.cpp")
+_SOURCES = ("module.cpp", "quant_matmul.cpp", "ops.cpp", "decode_model.cpp", "kernels.h")
 _NAME = "pdserve_cpu_kernels"
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -103,8 +103,9 @@ def load(verbose: bool = False) -> ModuleType:
                 directory.mkdir(parents=True, exist_ok=True)
                 _module = load_extension(
                     _NAME,
-                    [str(_source_dir() / source) for source in _SOURCES],
+                    [str(_source_dir() / s) for s in _SOURCES if s.endswith(".cpp")],
                     extra_cflags=["-O3", *target_flags(), "-fopenmp", "-DNDEBUG"],
+                    extra_include_paths=[str(_source_dir())],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
                     verbose=verbose,

@@ -5,8 +5,10 @@
 
 void register_quant(pybind11::module& m);
 void register_ops(pybind11::module& m);
+void register_decode_model(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant(m);
   register_ops(m);
+  register_decode_model(m);
 }

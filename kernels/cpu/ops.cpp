@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -120,6 +122,10 @@ void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
               "weight must be contiguous [H] with H = ", x.size(1));
 }
+
+}  // namespace
+
+namespace pdserve_cpu {
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_norm_args(x, weight);
@@ -243,6 +249,10 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
     std::copy_n(vp + i * v.stride(0), row, vc + sp[i] * row);
   }
 }
+
+}  // namespace pdserve_cpu
+
+namespace {
 
 // -- paged decode attention -------------------------------------------------------------------
 
@@ -386,6 +396,10 @@ void group_attention(const float* q, int64_t q_head_stride, int64_t group, const
   });
 }
 
+}  // namespace
+
+namespace pdserve_cpu {
+
 // One query token per sequence (at position seq_len - 1) over its paged context, every query
 // head against its kv head's keys (GQA). q [B, Hq, D] (rows may be strided), caches
 // [N, S, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 -> out [B, Hq, D]. Keys before
@@ -502,11 +516,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace pdserve_cpu
 
 // Attention lets go of the GIL while it runs (as the matmuls do); the small ops keep it,
 // since releasing costs about what they take.
 void register_ops(pybind11::module& m) {
+  using namespace pdserve_cpu;
   m.def("rms_norm", &rms_norm, "x [T, H] -> rms_norm(x) * weight");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; returns rms_norm(residual) * weight");
   m.def("rotary_", &rotary_, "rotates x [T, heads, D] in place by its positions");

@@ -30,6 +30,8 @@
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -371,6 +373,10 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& qweight
   return out;
 }
 
+}  // namespace
+
+namespace pdserve_cpu {
+
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const torch::Tensor& mins,
                         int64_t group_size, int64_t act_bits) {
@@ -451,11 +457,12 @@ bool has_avx2() {
 #endif
 }
 
-}  // namespace
+}  // namespace pdserve_cpu
 
 // The kernels touch no Python object: they let go of the GIL, so a service's asyncio thread
 // (gRPC streams) runs while the engine thread computes.
 void register_quant(pybind11::module& m) {
+  using namespace pdserve_cpu;
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("q4_matmul", &q4_matmul, release(),
         "x [M, K] float32 @ Q4 weights [N, K]^T -> [M, N] float32");

@@ -1,0 +1,126 @@
+"""A decode step in one C++ call: kernels/cpu/decode_model.cpp runs every layer of a dense
+llama-family model with quantized projections back to back.
+
+# B = sequences in the step (one new token each), H = hidden size
+
+Why: on a 135M model a decode step's kernels take a few milliseconds, and Python's dispatch
+of the ~40 small ops around them per layer (module calls, views, slices, the wrappers) took
+about as long again (measured with loadtest/bench_step.py). The C++ model calls the same
+kernels in the same order as the Python path (common/models/llama.py on the cpp backend), so
+its hidden states are bit for bit that path's (tests/kernels/test_fused_decode.py).
+
+It applies to steps whose every sequence decodes one token (prefill chunks take the Python
+path) in models whose layers are all dense, with single-part projections on the C++ kernels,
+the cpp attention backend and a float32 KV cache; ``build`` returns None otherwise, and the
+model keeps the Python path for every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from common.engine.attention.base import LayerKV
+from common.models.llama import MLP, LlamaForCausalLM
+from common.models.quant.linear import PackedMatmul, QuantLinear
+from common.models.quant.weights import Q4Weight
+
+log = logging.getLogger(__name__)
+
+
+def _projection(ops: Any, layer: object, act_bits: list[int]) -> Any | None:
+    """The C++ projection of a QuantLinear with one part on the C++ kernel, else None."""
+    if not isinstance(layer, QuantLinear) or len(layer.parts) != 1:
+        return None
+    part: PackedMatmul = layer.parts[0]
+    weight = part.weight
+    if part.kernel != "cpp" or weight is None:
+        return None
+    act_bits.append(part.act_bits)
+    if isinstance(weight, Q4Weight):
+        return ops.projection(True, weight.qweight, weight.scales, weight.mins,
+                              weight.group_size, layer.bias)  # fmt: skip
+    return ops.projection(False, weight.qweight, weight.scales, None, weight.group_size,
+                          layer.bias)  # fmt: skip
+
+
+class FusedDecoder:
+    def __init__(self, model: LlamaForCausalLM, decode_model: Any) -> None:
+        self.model = model
+        self.decode_model = decode_model
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, layer_kv: Sequence[LayerKV]) -> FusedDecoder | None:
+        """The fused decoder of ``model`` with its KV cache views, or None where it does not
+        apply (the reason is logged)."""
+        reason = cls._unsupported(model, layer_kv)
+        if reason is not None:
+            log.info("decode steps take the Python path: %s", reason)
+            return None
+        from kernels.cpu import load
+
+        ops = load()
+        spec = model.spec
+        act_bits: list[int] = []
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [
+                _projection(ops, p, act_bits)
+                for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
+            if any(p is None for p in projections):
+                log.info("decode steps take the Python path: a projection is not one C++ part")
+                return None
+            layers.append((layer, projections))
+        if len(set(act_bits)) != 1:
+            log.info("decode steps take the Python path: layers differ in activation bits")
+            return None
+        decode_model = ops.DecodeModel(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps,
+            spec.head_dim**-0.5, spec.sliding_window or 0, act_bits[0], model.norm.weight,
+        )  # fmt: skip
+        for (layer, projections), kv in zip(layers, layer_kv, strict=True):
+            attn = layer.self_attn
+            decode_model.add_layer(
+                *projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                kv.k_cache, kv.v_cache,
+            )  # fmt: skip
+        log.info("decode steps run fused in C++ (%d layers)", len(layers))
+        return cls(model, decode_model)
+
+    @staticmethod
+    def _unsupported(model: LlamaForCausalLM, layer_kv: Sequence[LayerKV]) -> str | None:
+        if model.backend.name != "cpp":
+            return f"the {model.backend.name} attention backend"
+        if model.expert_load is not None or not all(isinstance(layer.mlp, MLP) for layer in model.layers):
+            return "mixture-of-experts layers"
+        if any(kv.quantized or kv.k_cache.dtype != torch.float32 for kv in layer_kv):
+            return "a KV cache other than float32"
+        if model.norm.weight.dtype != torch.float32:
+            return "float weights other than float32"
+        return None
+
+    @staticmethod
+    def applies(metadata: Any) -> bool:
+        """Whether a step (the cpp backend's metadata) has only one-token decodes."""
+        batch = metadata.batch
+        return batch.num_prefills == 0 and batch.num_decode_tokens > 0
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [B]
+        positions: torch.Tensor,  # [B] int64
+        metadata: Any,
+    ) -> torch.Tensor:  # [B, H] final-normed hidden states
+        batch = metadata.batch
+        hidden: torch.Tensor = self.decode_model.forward(
+            self.model.embed_tokens(input_ids).contiguous(), positions, self.model.cos_sin,
+            batch.slot_mapping, batch.decode_block_tables, batch.decode_seq_lens,
+        )  # fmt: skip
+        return hidden

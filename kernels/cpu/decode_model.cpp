@@ -1,0 +1,131 @@
+// A whole decode step of a dense llama-family model in one call: every layer's norms,
+// quantized projections, rotary, KV write, paged attention and SwiGLU, run back to back in
+// C++ (kernels.h), so the step pays Python's per-op dispatch once instead of ~40 times per
+// layer. The same functions in the same order as the Python path
+// (common/models/llama.py with common/engine/attention/cpp_backend.py), so its results are
+// bit for bit that path's; common/models/quant/fused_decode.py builds it and says when it
+// applies (decode-only steps, float32 KV, single-part C++-kernel projections).
+//
+// B = sequences (one new token each), H = hidden size, Hq / Hkv = query / kv heads, D = head
+// dim, N = cache blocks, S = block size, M = blocks per sequence.
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// One quantized projection: Q4 (codes, scales, mins) or Q8 (codes, scales), and a bias.
+struct Projection {
+  bool q4 = true;
+  torch::Tensor qweight, scales, mins;
+  int64_t group_size = 32;
+  std::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x, int64_t act_bits) const {
+    torch::Tensor out = q4 ? pdserve_cpu::q4_matmul(x, qweight, scales, mins, group_size, act_bits)
+                           : pdserve_cpu::q8_matmul(x, qweight, scales, group_size, act_bits);
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+  }
+};
+
+Projection make_projection(bool q4, torch::Tensor qweight, torch::Tensor scales,
+                           std::optional<torch::Tensor> mins, int64_t group_size,
+                           std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(!q4 || mins.has_value(), "a Q4 projection needs its mins");
+  return Projection{q4, std::move(qweight), std::move(scales),
+                    mins.has_value() ? *mins : torch::Tensor(), group_size, std::move(bias)};
+}
+
+struct Layer {
+  Projection qkv, o, gate_up, down;
+  torch::Tensor input_norm, post_norm;
+  std::optional<torch::Tensor> q_norm, k_norm;  // qwen3
+  torch::Tensor k_cache, v_cache;               // [N, S, Hkv, D] float32, this layer's
+};
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+              double scale, int64_t window, int64_t act_bits, torch::Tensor final_norm)
+      : hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
+        window_(window), act_bits_(act_bits), final_norm_(std::move(final_norm)) {}
+
+  void add_layer(Projection qkv, Projection o, Projection gate_up, Projection down,
+                 torch::Tensor input_norm, torch::Tensor post_norm,
+                 std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
+                 torch::Tensor k_cache, torch::Tensor v_cache) {
+    layers_.push_back(Layer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
+                            std::move(input_norm), std::move(post_norm), std::move(q_norm),
+                            std::move(k_norm), std::move(k_cache), std::move(v_cache)});
+  }
+
+  // h: the embeddings [B, H] (consumed: it becomes the residual stream). Returns the final
+  // normed hidden states [B, H].
+  torch::Tensor forward(torch::Tensor h, const torch::Tensor& positions,
+                        const torch::Tensor& cos_sin, const torch::Tensor& slots,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens) {
+    TORCH_CHECK(!layers_.empty(), "a decode model needs at least one layer");
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [B, H]");
+    const int64_t b = h.size(0);
+    const int64_t q_size = hq_ * d_, kv_size = hkv_ * d_;
+    torch::Tensor residual;
+    for (Layer& layer : layers_) {
+      torch::Tensor x;
+      if (!residual.defined()) {
+        residual = h;
+        x = pdserve_cpu::rms_norm(h, layer.input_norm, eps_);
+      } else {
+        x = pdserve_cpu::add_rms_norm_(h, residual, layer.input_norm, eps_);
+      }
+      torch::Tensor qkv = layer.qkv(x, act_bits_);  // [B, (Hq + 2 Hkv) D]
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({b, hq_, d_});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({b, hkv_, d_});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({b, hkv_, d_});
+      if (layer.q_norm.has_value() && layer.k_norm.has_value()) {
+        q = pdserve_cpu::rms_norm(q.reshape({-1, d_}), *layer.q_norm, eps_).view({b, hq_, d_});
+        k = pdserve_cpu::rms_norm(k.reshape({-1, d_}), *layer.k_norm, eps_).view({b, hkv_, d_});
+      }
+      pdserve_cpu::rotary_(q, positions, cos_sin);
+      pdserve_cpu::rotary_(k, positions, cos_sin);
+      pdserve_cpu::write_kv(k, v, layer.k_cache, layer.v_cache, slots);
+      torch::Tensor attn = pdserve_cpu::paged_decode_attention(
+          q, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale_, window_);
+      torch::Tensor o = layer.o(attn.reshape({b, q_size}), act_bits_);
+      x = pdserve_cpu::add_rms_norm_(o, residual, layer.post_norm, eps_);
+      h = layer.down(pdserve_cpu::silu_and_mul(layer.gate_up(x, act_bits_)), act_bits_);
+    }
+    return pdserve_cpu::add_rms_norm_(h, residual, final_norm_, eps_);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t hq_, hkv_, d_;
+  double eps_, scale_;
+  int64_t window_, act_bits_;
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_model(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection");
+  m.def("projection", &make_projection, py::arg("q4"), py::arg("qweight"), py::arg("scales"),
+        py::arg("mins"), py::arg("group_size"), py::arg("bias"),
+        "one quantized projection (Q4 when q4, else Q8) for DecodeModel");
+  py::class_<DecodeModel>(m, "DecodeModel")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"), py::arg("window"), py::arg("act_bits"), py::arg("final_norm"))
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("forward", &DecodeModel::forward, py::call_guard<py::gil_scoped_release>(),
+           "embeddings [B, H] -> final normed hidden states [B, H], one decode step")
+      .def_property_readonly("num_layers", &DecodeModel::num_layers);
+}

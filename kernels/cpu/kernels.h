@@ -1,0 +1,35 @@
+// The C++ CPU kernels as C++ functions (kernels/cpu/*.cpp define them), for the kernels that
+// call others (decode_model.cpp). Shapes and contracts: each definition's comment and
+// kernels/cpu/quant.py. Every function checks its arguments and raises (TORCH_CHECK) on bad
+// input.
+
+#pragma once
+
+#include <torch/extension.h>
+
+namespace pdserve_cpu {
+
+torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& scales, const torch::Tensor& mins,
+                        int64_t group_size, int64_t act_bits);
+torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& scales, int64_t group_size, int64_t act_bits);
+torch::Tensor q4_dequantize(const torch::Tensor& qweight, const torch::Tensor& scales,
+                            const torch::Tensor& mins, int64_t group_size, int64_t row_start,
+                            int64_t row_end);
+bool has_avx2();
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,
+                            const torch::Tensor& weight, double eps);
+void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin);
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+              torch::Tensor& v_cache, const torch::Tensor& slots);
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale,
+                                     int64_t window);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+
+}  // namespace pdserve_cpu

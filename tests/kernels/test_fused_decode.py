@@ -1,0 +1,105 @@
+"""The fused decode step (kernels/cpu/decode_model.cpp via common/models/quant/fused_decode.py)
+against the Python path it replaces: the same kernels in the same order, so every decode
+step's logits are bit for bit equal (torch.equal), for each dense family it serves; and it
+stays off where it does not apply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from kernels.cpu import available
+from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
+
+pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here")
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tied": ("llama", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "qwen2-bias": ("qwen2", dict(intermediate_size=128)),
+    "qwen3-qknorm": ("qwen3", dict(intermediate_size=128, head_dim=32)),
+    "mistral-window": ("mistral", dict(intermediate_size=128, sliding_window=24)),
+}
+QUANTIZATIONS = [("int4", 16), ("int8", 16), ("int4", 8)]  # (format, activation bits)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_type, overrides = FAMILIES[request.param]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fused") / request.param, model_type,
+                                **overrides)  # fmt: skip
+
+
+def _engine(ckpt: Path, quantization: str, act_bits: int, fused: bool) -> Engine:
+    return tiny_engine(ckpt, quantization=quantization, quant_act_bits=act_bits,
+                       fused_decode=fused)  # fmt: skip
+
+
+def _decode_logits(engine: Engine) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    """Greedy tokens of 3 concurrent requests (prompts longer than the sliding window, so it
+    bites), and the logits of every step that sampled only decode rows."""
+    recorded: list[torch.Tensor] = []
+    sampler = engine.sampler
+
+    def recording(logits: torch.Tensor, requests: list) -> object:
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests):
+            recorded.append(logits.clone())
+        return sampler(logits, requests)
+
+    engine.sampler = recording  # type: ignore[assignment]
+    prompts = random_prompts(384, [5, 30, 47], seed=3)
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12 + 4 * i, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens, recorded
+
+
+@pytest.mark.parametrize(("quantization", "act_bits"), QUANTIZATIONS)
+def test_fused_decode_steps_equal_the_python_path_bit_for_bit(
+    checkpoint: Path, quantization: str, act_bits: int
+) -> None:
+    python = _engine(checkpoint, quantization, act_bits, fused=False)
+    fused = _engine(checkpoint, quantization, act_bits, fused=True)
+    assert python.runner.model.fused_decoder is None
+    assert fused.runner.model.fused_decoder is not None
+    assert fused.runner.backend.name == "cpp"
+    python_tokens, python_logits = _decode_logits(python)
+    fused_tokens, fused_logits = _decode_logits(fused)
+    assert fused_tokens == python_tokens
+    assert len(fused_logits) == len(python_logits) >= 10
+    for step, (a, b) in enumerate(zip(fused_logits, python_logits, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item()}"
+    assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+
+def test_fused_decoder_stays_off_where_it_does_not_apply(tmp_path: Path) -> None:
+    llama = make_tiny_checkpoint(tmp_path / "llama", "llama", intermediate_size=128)
+    moe = make_tiny_checkpoint(
+        tmp_path / "moe", "qwen3_moe", intermediate_size=128, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
+    )  # fmt: skip
+    off = {
+        "float weights": tiny_engine(llama, quantization="none"),
+        "torch kernels": tiny_engine(llama, quantization="int8", quant_kernel="torch"),
+        "torch attention": tiny_engine(llama, quantization="int8", attention_backend="torch"),
+        "int8 KV": tiny_engine(llama, quantization="int8", kv_dtype="int8"),
+        "mixture of experts": tiny_engine(moe, quantization="int8"),
+    }
+    for why, engine in off.items():
+        assert engine.runner.model.fused_decoder is None, why
