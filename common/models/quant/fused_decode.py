@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from common.engine.attention.base import LayerKV
-from common.models.llama import MLP, LlamaForCausalLM
+from common.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from common.models.quant.linear import PackedMatmul, QuantLinear
 from common.models.quant.weights import Q4Weight
 
@@ -65,8 +65,9 @@ class FusedDecoder:
         ops = load()
         spec = model.spec
         act_bits: list[int] = []
-        layers = []
+        layers: list[tuple[DecoderLayer, list[Any]]] = []
         for layer in model.layers:
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MLP), layer
             attn, mlp = layer.self_attn, layer.mlp
             projections = [
                 _projection(ops, p, act_bits)
@@ -85,10 +86,11 @@ class FusedDecoder:
         )  # fmt: skip
         for (layer, projections), kv in zip(layers, layer_kv, strict=True):
             attn = layer.self_attn
+            q_norm, k_norm = attn.q_norm, attn.k_norm
             decode_model.add_layer(
                 *projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
+                q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None,
                 kv.k_cache, kv.v_cache,
             )  # fmt: skip
         log.info("decode steps run fused in C++ (%d layers)", len(layers))
