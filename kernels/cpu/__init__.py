@@ -9,8 +9,9 @@ no compiler and may run from a read-only directory.
 
 Target: x86-64-v3 (AVX2, FMA, F16C, the level every x86 server of the last decade has) when
 the CPU has it, else baseline x86-64 or the host's default; the portable C++ loops run there,
-slowly. The OpenMP runtime is torch's own (same soname, loaded first), so at::parallel_for in
-the kernels shares torch's thread pool and ``torch.set_num_threads``.
+slowly. The kernels split their work over a pool of their own (pool.cpp: the caller never
+waits for a helper that has not started, where OpenMP's barrier waits for a descheduled one),
+sized by ``torch.set_num_threads``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("module.cpp", "quant_matmul.cpp", "ops.cpp", "decode_model.cpp", "kernels.h")
+_SOURCES = (
+    "module.cpp", "pool.cpp", "quant_matmul.cpp", "ops.cpp", "decode_model.cpp", "kernels.h",
+)
 _NAME = "pdserve_cpu_kernels"
 _lock = threading.Lock()
 _module: ModuleType | None = None

@@ -7,7 +7,13 @@
 
 #include <torch/extension.h>
 
+#include <functional>
+
 namespace pdserve_cpu {
+
+// fn(begin, end) over chunks of [0, n) of at least ``grain`` on torch's thread count, the
+// caller included (pool.cpp). fn must not throw.
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const torch::Tensor& mins,

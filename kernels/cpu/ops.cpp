@@ -135,7 +135,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ld = x.stride(0);
-  at::parallel_for(0, t, 64, [&](int64_t r0, int64_t r1) {
+  pdserve_cpu::parallel_for(t, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       rms_norm_row(xp + r * ld, wp, static_cast<float>(eps), h, op + r * h);
   });
@@ -156,7 +156,7 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ld = x.stride(0);
-  at::parallel_for(0, t, 64, [&](int64_t r0, int64_t r1) {
+  pdserve_cpu::parallel_for(t, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = rp + r * h;
       const float* xr = xp + r * ld;
@@ -193,7 +193,7 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(0 <= pp[i] && pp[i] < num_positions, "position ", pp[i], " is outside the ",
                 "rotary table (", num_positions, " positions)");
-  at::parallel_for(0, t, 32, [&](int64_t r0, int64_t r1) {
+  pdserve_cpu::parallel_for(t, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* cos = table + pp[r] * d;
       const float* sin = cos + half;
@@ -451,7 +451,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   int64_t threads = at::get_num_threads();
   if (b * hkv >= 2 * threads) {
     // Enough (sequence, kv head) tasks to share out: each serves its whole query group.
-    at::parallel_for(0, b * hkv, 1, [&](int64_t t0, int64_t t1) {
+    pdserve_cpu::parallel_for(b * hkv, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores(group * longest);
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t seq = task / hkv, kvh = task % hkv, len = lens[seq];
@@ -464,7 +464,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     return out;
   }
   // Few sequences: one task per (sequence, query head), so every thread has work.
-  at::parallel_for(0, b * hq, 1, [&](int64_t t0, int64_t t1) {
+  pdserve_cpu::parallel_for(b * hq, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(longest);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t seq = task / hq, head = task % hq, kvh = head / group;
@@ -496,7 +496,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty({t, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+  pdserve_cpu::parallel_for(t, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* gate = gp + r * 2 * inter;
       const float* up = gate + inter;

@@ -22,8 +22,8 @@
 //   term, mins . (float32 sums of x per group), is one dot product per row at the end.
 // The portable fallback (no AVX2) computes the same sums in float32 from unquantized x.
 //
-// Work splits over N with at::parallel_for (torch's thread pool: torch.set_num_threads governs
-// it). A weight row is unpacked once per tile of up to kTileRows rows of x.
+// Work splits over N in chunks (pool.cpp: torch.set_num_threads governs the thread count). A
+// weight row is unpacked once per tile of up to kTileRows rows of x.
 // loadtest/bench_quant.py measures every path; the variants tried are in its docstring.
 
 #include <ATen/Parallel.h>
@@ -343,7 +343,7 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& qweight
   const QuantizedX qx = quantize_x(xp, d, Q4, x8);
   // Group sizes are powers of two (checked): sub-block -> group is a shift, not a division.
   const int group_shift = (!Q4 && d.G == d.K) ? -1 : __builtin_ctzll(d.G);
-  at::parallel_for(0, d.N, 16, [&](int64_t n0, int64_t n1) {
+  pdserve_cpu::parallel_for(d.N, 16, [&](int64_t n0, int64_t n1) {
     float acc[kTileRows];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* qrow = qp + n * row_bytes;
@@ -362,7 +362,7 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& qweight
   });
 #else
   (void)act_bits;
-  at::parallel_for(0, d.N, 16, [&](int64_t n0, int64_t n1) {
+  pdserve_cpu::parallel_for(d.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < d.M; ++m)
         op[m * d.N + n] = row_dot_scalar<Q4>(qp + n * row_bytes, sp + n * num_groups,
@@ -415,8 +415,8 @@ torch::Tensor q4_dequantize(const torch::Tensor& qweight, const torch::Tensor& s
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  at::parallel_for(row_start, row_end, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
+  pdserve_cpu::parallel_for(row_end - row_start, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = row_start + r0; n < row_start + r1; ++n) {
       const uint8_t* qrow = qp + n * (K / 2);
       float* orow = op + (n - row_start) * K;
       for (int64_t b = 0; b < K / kSub; ++b) {
