@@ -16,6 +16,7 @@ sized by ``torch.set_num_threads``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -87,6 +88,30 @@ def _import_built(path: Path) -> ModuleType:
     return module
 
 
+def _build(directory: Path, verbose: bool) -> ModuleType:
+    """Builds under an flock of our own: torch's own build lock is a plain file that a
+    killed build leaves behind, and every later build would wait on it for ever. The flock
+    dies with its holder, so whoever holds it may clear a stale torch lock."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        built = directory / f"{_NAME}.so"
+        if built.is_file():  # another process built it while this one waited
+            return _import_built(built)
+        (directory / "lock").unlink(missing_ok=True)
+        return load_extension(
+            _NAME,
+            [str(_source_dir() / s) for s in _SOURCES if s.endswith(".cpp")],
+            extra_cflags=["-O3", *target_flags(), "-fopenmp", "-DNDEBUG"],
+            extra_include_paths=[str(_source_dir())],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+
+
 def load(verbose: bool = False) -> ModuleType:
     """The compiled extension (built on first use); raises KernelUnavailableError."""
     global _module, _error
@@ -101,18 +126,7 @@ def load(verbose: bool = False) -> ModuleType:
             if built.is_file():
                 _module = _import_built(built)
             else:
-                from torch.utils.cpp_extension import load as load_extension
-
-                directory.mkdir(parents=True, exist_ok=True)
-                _module = load_extension(
-                    _NAME,
-                    [str(_source_dir() / s) for s in _SOURCES if s.endswith(".cpp")],
-                    extra_cflags=["-O3", *target_flags(), "-fopenmp", "-DNDEBUG"],
-                    extra_include_paths=[str(_source_dir())],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    verbose=verbose,
-                )
+                _module = _build(directory, verbose)
         except Exception as exc:  # a compiler, ninja or headers missing: say so once
             _error = f"the C++ CPU kernels could not be built or loaded in {directory}: {exc}"
             raise KernelUnavailableError(_error) from exc

@@ -84,6 +84,15 @@ Dims check_args(const torch::Tensor& x, const torch::Tensor& qweight,
   return d;
 }
 
+#ifdef PDSERVE_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // -- x, quantized per call ------------------------------------------------------------------
 
 // Where element e (0..31) of sub-block b sits in x's code copy (one row).
@@ -111,7 +120,23 @@ struct QuantizedX {
   int64_t sums_len = 0;      // num_groups rounded up to a multiple of 8 (zero-padded)
 };
 
+// slots[kind][b % 2][e]: x_slot(q4, x8, b, e) relative to the sub-block's pair (Q4) or
+// sub-block (Q8), for kind = q4 * 2 + x8.
+struct SlotTables {
+  int16_t slots[4][2][kSub];
+  SlotTables() {
+    for (int kind = 0; kind < 4; ++kind)
+      for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < kSub; ++e) {
+          const bool q4 = kind >= 2, x8 = kind % 2;
+          const int64_t base = q4 ? 0 : half * 32;
+          slots[kind][half][e] = static_cast<int16_t>(x_slot(q4, x8, half, e) - base);
+        }
+  }
+};
+
 QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
+  static const SlotTables tables;
   QuantizedX qx;
   const int64_t num_sub = d.num_sub(), num_pairs = d.num_pairs();
   qx.row_len = q4 ? num_pairs * 64 : d.K;
@@ -124,23 +149,44 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
   qx.sums_len = (d.num_groups() + 7) / 8 * 8;
   if (q4) qx.sums.assign(d.M * qx.sums_len, 0.f);
   const float qmax = x8 ? 127.f : 32767.f;
+  const int kind = q4 * 2 + x8;
+  alignas(32) int32_t codes[kSub];
   for (int64_t m = 0; m < d.M; ++m) {
     for (int64_t b = 0; b < num_sub; ++b) {
       const float* p = x + m * d.K + b * kSub;
       float absmax = 0.f, sum = 0.f;
+#ifdef PDSERVE_AVX2
+      __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(p + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        total = _mm256_add_ps(total, v[i]);
+      }
+      __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+      absmax = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+      sum = hsum(total);
+      const __m256 inv = _mm256_set1_ps(absmax > 0.f ? qmax / absmax : 0.f);
+      for (int i = 0; i < 4; ++i)  // rounds to nearest, ties to even (MXCSR's default)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+#else
       for (int64_t e = 0; e < kSub; ++e) {
         absmax = std::max(absmax, std::fabs(p[e]));
         sum += p[e];
       }
       const float inv = absmax > 0.f ? qmax / absmax : 0.f;
-      for (int64_t e = 0; e < kSub; ++e) {
-        const float v = std::nearbyint(p[e] * inv);
-        const int64_t at = m * qx.row_len + x_slot(q4, x8, b, e);
-        if (x8) {
-          qx.q8[at] = static_cast<int8_t>(v);
-        } else {
-          qx.q16[at] = static_cast<int16_t>(v);
-        }
+      for (int64_t e = 0; e < kSub; ++e) codes[e] = static_cast<int32_t>(std::nearbyint(p[e] * inv));
+#endif
+      const int64_t base = m * qx.row_len + (q4 ? (b / 2) * 64 : b * 32);
+      const int16_t* slots = tables.slots[kind][b % 2];
+      if (x8) {
+        int8_t* row = qx.q8.data() + base;
+        for (int e = 0; e < kSub; ++e) row[slots[e]] = static_cast<int8_t>(codes[e]);
+      } else {
+        int16_t* row = qx.q16.data() + base;
+        for (int e = 0; e < kSub; ++e) row[slots[e]] = static_cast<int16_t>(codes[e]);
       }
       if (q4) {
         std::fill_n(qx.dx.data() + (m * num_pairs + b / 2) * 8 + (b % 2) * 4, 4, absmax / qmax);
@@ -156,13 +202,6 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
 // -- the AVX2 kernels -----------------------------------------------------------------------
 
 #ifdef PDSERVE_AVX2
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline __m256i load256(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
