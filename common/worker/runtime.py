@@ -242,6 +242,7 @@ class WorkerRuntime:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             pid=os.getpid(),
             draining=self.draining,
+            weight_format=self.engine.weight_identity or "",
         )
 
     async def _heartbeat_forever(self) -> None:

@@ -123,10 +123,7 @@ def load(verbose: bool = False) -> ModuleType:
         directory = build_directory()
         built = directory / f"{_NAME}.so"
         try:
-            if built.is_file():
-                _module = _import_built(built)
-            else:
-                _module = _build(directory, verbose)
+            _module = _import_built(built) if built.is_file() else _build(directory, verbose)
         except Exception as exc:  # a compiler, ninja or headers missing: say so once
             _error = f"the C++ CPU kernels could not be built or loaded in {directory}: {exc}"
             raise KernelUnavailableError(_error) from exc

@@ -99,6 +99,7 @@ async def fetch(
             "prefix_cache_hit_rate": round(w.prefix_cache_hit_rate, 4),
             "pid": w.pid,
             "draining": w.draining,
+            "weights": w.weight_format,
         }
         for w in reply.workers
     ]
@@ -132,16 +133,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     header = (f"{'id':<14} {'role':<10} {'address':<22} {'pid':>7} {'kv free/total':>15} {'run':>4} "
               f"{'wait':>5} {'hit rate':>8} {'requests':>8} {'prompt tok':>10} {'gen tok':>8} "
-              f"{'ttft ms':>8}")  # fmt: skip
+              f"{'ttft ms':>8}  weights")  # fmt: skip
     print(header)
     for w in workers:
         blocks = f"{w['kv_blocks_free']}/{w['kv_blocks_total']}" if w["kv_blocks_total"] else "-"
         m: dict[str, float] = w.get("metrics") or {}  # type: ignore[assignment]
         ttft = f"{m['ttft_mean_s'] * 1000:.1f}" if "ttft_mean_s" in m else "-"
+        weights = w["weights"] or ("float" if w["role"] in ("prefill", "decode") else "-")
         print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {w['pid'] or '-'!s:>7} {blocks:>15} "
               f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
               f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "
-              f"{_count(m, 'generation_tokens'):>8} {ttft:>8}"
+              f"{_count(m, 'generation_tokens'):>8} {ttft:>8}  {weights}"
               f"{'  draining' if w['draining'] else ''}")  # fmt: skip
     for line in health_lines(workers):
         print(line)

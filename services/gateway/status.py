@@ -37,6 +37,7 @@ def _from_registry(info: WorkerInfo) -> common_pb2.WorkerStatus:
         prefix_cache_hit_rate=info.prefix_cache_hit_rate,
         pid=info.pid,
         draining=info.draining,
+        weight_format=info.weights,
     )
 
 

@@ -206,14 +206,23 @@ class Load:
 async def under_load(
     stack: ChaosStack, fault: Callable[[], object], after_s: float, window_s: float
 ) -> tuple[Load, float]:
-    """Steady load; ``fault`` after ``after_s``; the load goes on ``window_s`` more, then
-    stops and every stream in flight finishes. Returns the load and when the fault hit."""
+    """Steady load; ``fault`` after ``after_s``; the load goes on ``window_s`` more, and on
+    until every lane has started a request since the fault (bounded by the request
+    timeout), then stops and every stream in flight finishes. Returns the load and when the
+    fault hit.
+
+    Why "and on": when every lane's stream sat on the hung decode worker, all of them wait
+    out the stall limit and then re-prefill on the other worker at once; on 2 loaded cores
+    that can outlast a fixed window, and the test would count slowness as loss."""
     load = Load(stack.target)
     runner = asyncio.create_task(load.run())
     await load.warm(after_s)
     fault()
     hit = time.monotonic()
     await asyncio.sleep(window_s)
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while len(load.started_after(hit)) < LANES and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     load.stop()
     await asyncio.wait_for(runner, REQUEST_TIMEOUT_S + 30)
     return load, hit
@@ -372,7 +381,11 @@ def test_redis_killed_and_restarted_loses_no_request_and_the_index_rebuilds(
     salt = f"marker-{uuid.uuid4().hex}"
     tokens, _ = asyncio.run(one(chaos.target, token_ids=marker, cache_salt=salt))
     assert len(tokens) == MAX_TOKENS
-    hashes = [int(h) for h in hash_prompt_blocks(marker, 16, salt, seed="")]
+    # The workers' weight format is part of every block's key (one format on this stack).
+    (weights,) = {w["weights"] for w in chaos.workers() if w["role"] in ("prefill", "decode")}
+    hashes = [
+        int(h) for h in hash_prompt_blocks(marker, 16, salt, seed="", weights=weights or None)
+    ]
     state = chaos.state()
     model = chaos.model_dir.name
 

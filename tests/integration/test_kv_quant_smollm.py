@@ -41,7 +41,15 @@ def _generate(
 ) -> list[list[int]]:
     """Each step's argmax per prompt: the greedy output, or with ``forced`` the argmax while
     the engine continues with the forced tokens instead (teacher forcing)."""
-    llm = LLM(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_dtype=kv_dtype))
+    llm = LLM(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            kv_dtype=kv_dtype,
+            quantization="none",
+        )
+    )
     prompts = [llm.encode(prompt_with_context(n, i)) for i, n in enumerate(CONTEXT_SIZES)]
     # LLM.generate numbers its requests llm-0, llm-1, ... in prompt order.
     index = {f"llm-{i}": i for i in range(len(prompts))}
