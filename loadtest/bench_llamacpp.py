@@ -8,8 +8,8 @@
    ``--formats`` entry: decode tok/s over 128 tokens after a 104-token prompt, prefill tok/s
    of a 512-token prompt (median of ``--reps``).
 3. Stack: llama-server on the GGUF with ``-t THREADS --parallel 16`` (and a context that
-   holds 16 x (104 + 128) tokens), then ``pdserve up`` (one stack per ``--topology``, with
-   the same total engine threads), each driven by ``pdserve bench serve`` with the same
+   holds 16 x (104 + 128) tokens), then ``pdserve up`` (one stack per ``--topology``, its
+   workers of each role sharing THREADS, as pdserve up shares the cores), each driven by ``pdserve bench serve`` with the same
    workload: random prompts of exactly 104 tokens sent as token ids, 128 output tokens with
    ignore_eos, request rate inf, max concurrency 1 and then 16. Before each stack stops,
    the RSS of each of its processes.
@@ -545,8 +545,9 @@ def run_pdserve_stack(
     up_args = [*TOPOLOGIES[topology], *shlex.split(args.up_args)]
     prefill, decode = worker_counts(up_args)
     if "--threads-per-worker" not in " ".join(up_args):
-        # The same total engine threads as llama.cpp's, shared out among the workers.
-        up_args += ["--threads-per-worker", str(max(1, args.threads // (prefill + decode)))]
+        # llama.cpp's threads shared out among the workers of each role, as pdserve up
+        # does with the machine's cores (threads_per_worker): the roles overlap.
+        up_args += ["--threads-per-worker", str(max(1, args.threads // max(prefill, decode)))]
     log(f"\n== pdserve up [{topology}]: {prefill} prefill + {decode} decode workers ==")
     run_dir = out / f"stack-{topology}"
     record: dict[str, Any] = {"up_args": up_args, "runs": {}}
@@ -635,7 +636,7 @@ def format_table(result: dict[str, Any], args: argparse.Namespace) -> str:
     busy = max(noise_of(result) or [0.0])
     lines = [
         f"machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
-        f"{m['threads']} threads for llama.cpp and for pdserve's engines (in all); load "
+        f"{m['threads']} threads for llama.cpp and for pdserve's engines of each role; load "
         f"average at start {m['loadavg_at_start'][0]:.2f}",
         "the machine must be quiet (nothing else on the CPUs) for these figures to mean anything",
         f"llama.cpp: {result.get('llama_cpp_version', '-')}; GGUF {result['gguf']}",

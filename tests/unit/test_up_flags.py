@@ -64,9 +64,12 @@ def test_workers_share_the_cores_out_unless_told(monkeypatch: pytest.MonkeyPatch
     def threads(*argv: str) -> int | None:
         return threads_per_worker(parser.parse_args(["up", *argv]))
 
-    assert threads() == 4  # 8 cores, 1 prefill + 1 decode worker
-    assert threads("--prefill", "2", "--decode", "2") == 2
-    assert threads("--prefill", "4", "--decode", "6") == 1  # never 0
+    # The cores are shared out among the workers of one role; the roles overlap.
+    assert threads() == 8  # 8 cores, 1 prefill + 1 decode worker
+    assert threads("--prefill", "2", "--decode", "2") == 4
+    assert threads("--prefill", "0", "--decode", "1") == 8
+    assert threads("--prefill", "1", "--decode", "3") == 2
+    assert threads("--prefill", "4", "--decode", "12") == 1  # never 0
     assert threads("--threads-per-worker", "3") == 3
     assert threads("--threads-per-worker", "0") is None  # torch's default: every core
     # The value reaches the worker's engine config.
