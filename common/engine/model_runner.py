@@ -33,6 +33,22 @@ log = logging.getLogger(__name__)
 PROMPT_LOGITS_SLICE = 128
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On a CPU its memory comes from calloc (numpy's zeros), which for a
+    large block maps fresh zero pages without touching them: the KV pool occupies memory
+    as blocks are written, not all of it at start (torch.zeros writes every byte)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    element = torch.empty(0, dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * element, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 @dataclass
 class StepLogits:
     """What one step's forward pass hands the engine."""
@@ -95,7 +111,7 @@ class ModelRunner:
         self.num_blocks = num_blocks_for_budget(config, spec, self.kv_dtype)
         L, N, Hkv = spec.num_layers, self.num_blocks, spec.num_kv_heads
         shape = (L, 2, N, self.block_size, Hkv, spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = _zeroed(shape, self.kv_dtype, self.device)
         self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv] float32
         if self.kv_quantized:
             self.kv_scales = new_kv_scales((L, 2, N, Hkv), self.device)
