@@ -1,0 +1,101 @@
+"""``--speculative-config``: the JSON object vLLM takes, validated once.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+     "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}
+
+Unknown keys are refused by name (a misspelt key silently ignored would turn speculation
+off without a word).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+_KEYS = {
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+    "quantization",
+}  # fmt: skip
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config the engine cannot run; the message says which field."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix of the context looked up earlier in it.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # draft_model: the draft's checkpoint and weight format (None: as the target's).
+    model: str | None = None
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpeculativeConfigError(
+                f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.method == "ngram":
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise SpeculativeConfigError(
+                    "ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                    f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+                )
+            if self.model is not None:
+                raise SpeculativeConfigError("ngram takes no draft model; drop 'model'")
+        if self.method == "draft_model" and not self.model:
+            raise SpeculativeConfigError("draft_model needs 'model': the draft's checkpoint")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_KEYS))}"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise SpeculativeConfigError(
+                "--speculative-config needs 'method' and 'num_speculative_tokens'"
+            )
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
+                raise SpeculativeConfigError(f"{key} must be an integer, got {raw[key]!r}")
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        """The JSON that ``from_json`` reads back to an equal config (for forwarding)."""
+        fields: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.method == "ngram":
+            fields["prompt_lookup_max"] = self.prompt_lookup_max
+            fields["prompt_lookup_min"] = self.prompt_lookup_min
+        else:
+            fields["model"] = self.model
+            if self.quantization is not None:
+                fields["quantization"] = self.quantization
+        return json.dumps(fields, sort_keys=True)
