@@ -316,6 +316,31 @@ def engine_single_stream(
     return result  # the engine goes with this frame; the caller collects it
 
 
+def alternating_rounds(
+    args: argparse.Namespace, bench: Path, gguf: str, model_dir: str
+) -> list[dict[str, Any]]:
+    """Single-stream decode, llama-bench and pdserve's engine (the first --formats entry)
+    in turn, ``--rounds`` times. A shared machine's speed drifts by more than the gap
+    being measured, minutes apart; each round's ratio compares two runs a minute apart."""
+    fmt = next(f for f in args.formats.split(",") if f)
+    d, n = args.input_len, args.output_len
+    rounds = []
+    for i in range(args.rounds):
+        with OtherWork() as meter:
+            lb = run_llama_bench(bench, gguf, args.threads, args.llama_bench_reps,
+                                 args.prefill_len, args.output_len, args.input_len)  # fmt: skip
+            fig = engine_single_stream(fmt, model_dir, args.threads, d, n, args.prefill_len,
+                                       args.reps, args.seed)  # fmt: skip
+        gc.collect()
+        llama = lb[f"tg{n}_d{d}"]["tok_s"]
+        ours = fig["decode_tok_s"]
+        rounds.append({"format": fmt, "llama_tok_s": llama, "pdserve_tok_s": ours,
+                       "ratio": ours / llama, "other_cpu": meter.fraction})  # fmt: skip
+        log(f"  round {i + 1}: llama.cpp {llama:.1f} tok/s, pdserve [{fmt}] {ours:.1f} tok/s, "
+            f"{ours / llama:.2f}x{noise_note(meter.fraction)}")
+    return rounds
+
+
 # -- pdserve's stack -----------------------------------------------------------------------
 
 
@@ -661,6 +686,15 @@ def format_table(result: dict[str, Any], args: argparse.Namespace) -> str:
             rows.append((f"prefill tok/s at {p} [{fmt}]", cell(pp), cell(fig["prefill_tok_s"]),
                          ratio(fig["prefill_tok_s"], pp)))  # fmt: skip
         rows.append(("", "", "", ""))
+    rounds = result.get("single_stream_rounds") or []
+    if rounds:
+        rows.append((f"alternating rounds, decode after {d}", "llama.cpp", "pdserve", "ratio"))
+        for i, r in enumerate(rounds):
+            rows.append((f"round {i + 1} [{r['format']}]", cell(r["llama_tok_s"]),
+                         cell(r["pdserve_tok_s"]), f"{r['ratio']:.2f}x"))  # fmt: skip
+        median = statistics.median(r["ratio"] for r in rounds)
+        rows.append(("median of the rounds' ratios", "", "", f"{median:.2f}x"))
+        rows.append(("", "", "", ""))
     llama = result.get("llama_server") or {}
     for topology, record in (result.get("pdserve") or {}).items():
         rows.append((f"stack: {d} in / {n} out", "llama-server", f"pdserve[{topology}]", "ratio"))
@@ -725,6 +759,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--up-args", default="", help="more `pdserve up` flags, every topology")
     parser.add_argument("--llama-server-args", default="", help="more llama-server flags")
     parser.add_argument("--skip-single-stream", action="store_true")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="also alternate llama-bench and the engine (first --formats "
+                        "entry) this many times: per-round ratios under a drifting machine")  # fmt: skip
     parser.add_argument("--skip-stack", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench-timeout-s", type=float, default=1800.0)
@@ -796,6 +833,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{fig['prefill_tok_s']:.1f} tok/s (loaded in {fig['load_s']:.1f} s)"
                 f"{noise_note(fig['other_cpu'])}")  # fmt: skip
             save()
+    if args.rounds:
+        result["single_stream_rounds"] = alternating_rounds(args, bench, gguf, model_dir)
+        save()
     if not args.skip_stack:
         result["llama_server"] = run_llama_stack(args, work, server, gguf, out)
         save()
