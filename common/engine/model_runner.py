@@ -10,6 +10,7 @@ per (layer, K or V, block, kv head); see kernels/kv_quant.py for the format.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import psutil
@@ -41,11 +42,7 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    element = torch.empty(0, dtype=dtype).element_size()
-    count = 1
-    for n in shape:
-        count *= n
-    raw = torch.from_numpy(np.zeros(count * element, dtype=np.uint8))
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
 
 

@@ -9,7 +9,21 @@
 
 #include <functional>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace pdserve_cpu {
+
+#if defined(__AVX2__)
+// The sum of a vector's 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // fn(begin, end) over chunks of [0, n) of at least ``grain`` on torch's thread count, the
 // caller included (pool.cpp). fn must not throw.

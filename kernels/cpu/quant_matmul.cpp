@@ -85,12 +85,7 @@ Dims check_args(const torch::Tensor& x, const torch::Tensor& qweight,
 }
 
 #ifdef PDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pdserve_cpu::hsum;
 #endif
 
 // -- x, quantized per call ------------------------------------------------------------------
