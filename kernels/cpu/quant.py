@@ -7,10 +7,11 @@ high nibbles = 16..31, GGUF's order), ``scales`` and ``mins`` float16 [N, K/G]:
 ``w = q * scale + min``. Q8: ``qweight`` int8 [N, K], ``scales`` float16 [N, K/G] (G = K: one
 scale per output channel): ``w = q * scale``. Group sizes are powers of two >= 32.
 
-The C++ kernels quantize x per sub-block of 32 to int16 codes (act_bits 16: each element
-within 1/65534 of the sub-block's largest |x|) or int8 codes (act_bits 8: 1/254) and sum
-exactly in int32. Against the float64 reference ``x @ dequantize(w).T`` that measured about
-5e-5 of the largest output for int16 codes and 1-2e-2 for int8 codes
+The C++ kernels quantize x to int16 codes with one step per row (act_bits 16: each element
+within 1/65534 of the row's largest |x|) or to int8 codes per sub-block of 32 (act_bits 8:
+1/254 of the sub-block's) and sum exactly in int32. Against the float64 reference
+``x @ dequantize(w).T`` that measured up to 8e-5 of the largest output for int16 codes and
+1-2e-2 for int8 codes
 (tests/kernels/test_quant_matmul.py states the bounds it checks).
 """
 
@@ -80,8 +81,8 @@ def q4_matmul(
     group_size: int,
     act_bits: int = 16,
 ) -> torch.Tensor:
-    """x float32 [M, K] contiguous -> float32 [M, N]; x is quantized per sub-block of 32
-    to ``act_bits`` (16 or 8) inside."""
+    """x float32 [M, K] contiguous -> float32 [M, N]; x is quantized to ``act_bits``
+    (16: per row, 8: per sub-block of 32) inside."""
     out: torch.Tensor = load().q4_matmul(x, qweight, scales, mins, group_size, act_bits)
     return out
 

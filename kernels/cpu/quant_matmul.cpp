@@ -11,14 +11,18 @@
 // (G = 32 is GGUF's Q8_0; G = K is one scale per output channel).
 //
 // How y[m, n] = sum_k x[m, k] w[n, k] is computed (AVX2):
-// - Each row of x is quantized once per call, per sub-block of 32: to int16 (act_bits 16,
-//   dx = absmax / 32767: each element within dx / 2, about 1.5e-5 of the sub-block's largest
-//   |x|) or to int8 (act_bits 8, dx = absmax / 127: llama.cpp's Q8 activations, about 4e-3).
+// - Each row of x is quantized once per call: to int16 with one step for the row (act_bits
+//   16, dx = the row's absmax / 32767: each element within dx / 2, 1.5e-5 of the row's
+//   largest |x|), or to int8 per sub-block of 32 (act_bits 8, dx = absmax / 127: llama.cpp's
+//   Q8 activations, about 4e-3). A step per row leaves each sub-block's sum one multiply by
+//   the weight's scale; with a step per sub-block (tried) that multiply also loaded the
+//   code's step, and the int16 kernels ran 25-45 % slower.
 // - Codes meet in integer multiply-adds, summed exactly in int32 per sub-block: vpmaddwd for
 //   int16 x; vpmaddubsw for int8 x (the 4-bit codes as the unsigned operand, or int8 codes'
 //   signs moved onto x). The x copy is stored permuted to the order in which the weight bytes
 //   fall apart, so unpacking codes takes only shifts and masks, no shuffles.
-// - Each sub-block's sum is converted and scaled by scale * dx (FMA into 8 lanes); Q4's min
+// - Each sub-block's sum is converted and scaled by the weight's scale (times dx for int8
+//   codes; int16 codes' dx multiplies the row's total once), FMA into 8 lanes; Q4's min
 //   term, mins . (float32 sums of x per group), is one dot product per row at the end.
 // The portable fallback (no AVX2) computes the same sums in float32 from unquantized x.
 //
@@ -140,13 +144,19 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
   } else {
     qx.q16.assign(d.M * qx.row_len, 0);
   }
-  qx.dx.assign(q4 ? d.M * num_pairs * 8 : d.M * num_sub, 0.f);
+  qx.dx.assign(!x8 ? d.M : q4 ? d.M * num_pairs * 8 : d.M * num_sub, 0.f);
   qx.sums_len = (d.num_groups() + 7) / 8 * 8;
   if (q4) qx.sums.assign(d.M * qx.sums_len, 0.f);
   const float qmax = x8 ? 127.f : 32767.f;
   const int kind = q4 * 2 + x8;
   alignas(32) int32_t codes[kSub];
   for (int64_t m = 0; m < d.M; ++m) {
+    // int16 codes: one step for the whole row (its largest |x| / 32767).
+    float row_absmax = 0.f;
+    if (!x8) {
+      for (int64_t k = 0; k < d.K; ++k) row_absmax = std::max(row_absmax, std::fabs(x[m * d.K + k]));
+      qx.dx[m] = row_absmax / qmax;
+    }
     for (int64_t b = 0; b < num_sub; ++b) {
       const float* p = x + m * d.K + b * kSub;
       float absmax = 0.f, sum = 0.f;
@@ -162,6 +172,7 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
       a = _mm_max_ps(a, _mm_movehl_ps(a, a));
       absmax = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
       sum = hsum(total);
+      if (!x8) absmax = row_absmax;
       const __m256 inv = _mm256_set1_ps(absmax > 0.f ? qmax / absmax : 0.f);
       for (int i = 0; i < 4; ++i)  // rounds to nearest, ties to even (MXCSR's default)
         _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i),
@@ -171,6 +182,7 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
         absmax = std::max(absmax, std::fabs(p[e]));
         sum += p[e];
       }
+      if (!x8) absmax = row_absmax;
       const float inv = absmax > 0.f ? qmax / absmax : 0.f;
       for (int64_t e = 0; e < kSub; ++e) codes[e] = static_cast<int32_t>(std::nearbyint(p[e] * inv));
 #endif
@@ -183,10 +195,10 @@ QuantizedX quantize_x(const float* x, const Dims& d, bool q4, bool x8) {
         int16_t* row = qx.q16.data() + base;
         for (int e = 0; e < kSub; ++e) row[slots[e]] = static_cast<int16_t>(codes[e]);
       }
-      if (q4) {
+      if (q4) qx.sums[m * qx.sums_len + b * kSub / d.G] += sum;
+      if (x8 && q4) {
         std::fill_n(qx.dx.data() + (m * num_pairs + b / 2) * 8 + (b % 2) * 4, 4, absmax / qmax);
-        qx.sums[m * qx.sums_len + b * kSub / d.G] += sum;
-      } else {
+      } else if (x8) {
         qx.dx[m * num_sub + b] = absmax / qmax;
       }
     }
@@ -268,12 +280,17 @@ void q4_tile(const uint8_t* qrow, const uint16_t* scales, const uint16_t* mins,
         s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(v[2], load256(xp + 32)),
                                                  _mm256_madd_epi16(v[3], load256(xp + 48))));
       }
-      const __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(qx.dx.data() + ((m0 + r) * num_pairs + p) * 8));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      if constexpr (X8) {
+        const __m256 scale =
+            _mm256_mul_ps(sv, _mm256_loadu_ps(qx.dx.data() + ((m0 + r) * num_pairs + p) * 8));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      } else {  // int16 codes share one dx per row: applied once, at the end
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
-    out[r] = hsum(acc[r]) +
+    out[r] = hsum(acc[r]) * (X8 ? 1.0f : qx.dx[m0 + r]) +
              min_term(mins, qx.sums.data() + (m0 + r) * qx.sums_len, d.num_groups());
 }
 
@@ -306,11 +323,12 @@ void q8_tile(const uint8_t* qrow, const uint16_t* scales, const QuantizedX& qx, 
         s = _mm256_add_epi32(_mm256_madd_epi16(v[0], load256(xp)),
                              _mm256_madd_epi16(v[1], load256(xp + 16)));
       }
-      const __m256 scale = _mm256_set1_ps(sw * qx.dx[(m0 + r) * num_sub + b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      const float dx = X8 ? qx.dx[(m0 + r) * num_sub + b] : 1.0f;  // int16: per row, below
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(sw * dx), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) * (group_shift < 0 ? row_scale : 1.0f);
+  for (int r = 0; r < R; ++r)
+    out[r] = hsum(acc[r]) * (group_shift < 0 ? row_scale : 1.0f) * (X8 ? 1.0f : qx.dx[m0 + r]);
 }
 
 template <bool Q4, bool X8>
