@@ -3,12 +3,21 @@
 Shapes: T = tokens in the step, n = sequences sampled, m = prompt positions scored for one
 request (prompt_logprobs), V = vocab, L/N/S/Hkv/D as in the KV cache
 ``[L, 2, N, S, Hkv, D]``. Token order: single-token queries first, then prefill chunks.
+
+Quantized weights have two paths that round differently (common/models/quant/linear.py):
+a row takes the dense one (dequantize + float GEMM) if it is a prompt token of a prompt of
+``DENSE_MIN_ROWS`` tokens or more, in an engine whose chunks can be that long; every other
+row, generated tokens included when a migrated request recomputes them, takes the packed
+kernel a decode step uses. The choice depends on the token alone, so a token's path is
+the same in any batch, chunking, cache hit or migration (and in a llama its logits the
+same bits: tests/unit/test_quant_row_paths.py).
 An int8 / fp8 cache (``kv_dtype``) also has ``kv_scales [L, 2, N, Hkv]`` float32, one scale
 per (layer, K or V, block, kv head); see kernels/kv_quant.py for the format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -24,6 +33,7 @@ from common.engine.scheduler import ScheduledRequest
 from common.models.loader import CausalLM, build_model
 from common.models.quant.formats import resolve_weight_format
 from common.models.quant.fused_decode import FusedDecoder
+from common.models.quant.linear import DENSE_MIN_ROWS, dense_rows
 from common.models.quant.load import weight_bytes
 from common.models.spec import ModelSpec
 
@@ -209,12 +219,13 @@ class ModelRunner:
         )
         batch = _to_device(batch, self.device)
         metadata = self.backend.prepare(batch, S)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.layer_kv,
-            metadata,
-        )
+        with self._row_paths(ordered):
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.layer_kv,
+                metadata,
+            )
         self.num_forward_tokens += len(input_ids)
 
         sampling = [s for s in ordered if s.samples]
@@ -231,8 +242,24 @@ class ModelRunner:
             if item.samples:
                 last_index.append(offset - 1)
         index = torch.tensor(last_index, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[index])
+        with self._row_paths(ordered):  # the sampled rows: the packed head, in any batch
+            logits = self.model.compute_logits(hidden[index])
         return StepLogits(logits, sampling, prompt_logprobs)
+
+    def _row_paths(self, ordered: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
+        """Marks the step's rows that take quantized weights' dense path (module docstring)."""
+        if not self.weight_format.quantized or self.weight_format.kernel != "cpp":
+            return contextlib.nullcontext()
+        dense: list[bool] = []
+        chunks_can_be_dense = self.config.max_num_batched_tokens >= DENSE_MIN_ROWS
+        for item in ordered:
+            req = item.request
+            n = item.num_new_tokens
+            num_dense = 0
+            if chunks_can_be_dense and req.num_prompt_tokens >= DENSE_MIN_ROWS:
+                num_dense = min(n, max(0, req.num_prompt_tokens - req.num_computed_tokens))
+            dense.extend([True] * num_dense + [False] * (n - num_dense))
+        return dense_rows(torch.tensor(dense, dtype=torch.bool))
 
     def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[m, H] hidden states -> [m, V] float32 log-softmax of their logits over the vocab

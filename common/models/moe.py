@@ -32,6 +32,7 @@ from torch import nn
 from common.engine.attention import AttentionBackend
 from common.experts.counts import DECODE, PREFILL, ExpertCounts
 from common.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from common.models.quant.linear import row_subset
 from common.models.spec import ModelSpec, MoeSpec
 
 
@@ -223,7 +224,8 @@ class SparseMoeBlock(nn.Module):
             start = 0
             for e, n in enumerate(per_expert.tolist()):
                 if n:
-                    ys[start : start + n] = self.experts.expert(e, xs[start : start + n])
+                    with row_subset(token_of[start : start + n]):
+                        ys[start : start + n] = self.experts.expert(e, xs[start : start + n])
                     start += n
         else:
             raise ValueError(f"unknown experts method {method!r}")

@@ -4,10 +4,16 @@
 
 Activations stay float32 in and out; what computes the product is the engine's choice:
 
-- ``cpp`` (the CPU default): kernels/cpu/quant.py, packed weights read as they are. Above
-  ``DENSE_MIN_ROWS`` rows (prefill chunks) the weight is instead dequantized in chunks of
-  rows and multiplied by torch's float32 GEMM, which is faster there (measured in
-  loadtest/bench_quant.py).
+- ``cpp`` (the CPU default): kernels/cpu/quant.py, packed weights read as they are. For
+  many rows (prefill) the weight is instead dequantized in chunks of rows and multiplied
+  by torch's float32 GEMM, which is faster from ``DENSE_MIN_ROWS`` rows (measured in
+  loadtest/bench_quant.py). The two paths round differently, so which one a row takes is
+  decided by the row, not by the step it lands in: the model runner marks the dense rows
+  of each step (``dense_rows``; common/engine/model_runner.py says which). The packed
+  kernel computes each row alone, so a generated token's products do not depend on what
+  it is batched with, in chunked prefill, after a migration or in a speculative verify
+  (tests/unit/test_quant_row_paths.py). Outside a step, a call with ``DENSE_MIN_ROWS``
+  rows or more takes the dense path.
 - ``torch``: torch's own packed CPU kernels, which take bfloat16 activations
   (``_weight_int4pack_mm_for_cpu`` for Q4, ``_weight_int8pack_mm`` for per-channel Q8) and,
   for blocked Q8 (GGUF's Q8_0), chunked dequantization and a float32 GEMM. A reference and
@@ -16,6 +22,9 @@ Activations stay float32 in and out; what computes the product is the engine's c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +54,49 @@ class QuantCompute:
 # 2-core AVX2 machine for SmolLM2's shapes; loadtest/bench_quant.py prints the crossover).
 DENSE_MIN_ROWS = 48
 _CHUNK_ELEMENTS = 1 << 20  # float32 elements dequantized at once (4 MiB)
+
+
+@dataclass(frozen=True)
+class _RowPaths:
+    """A step's rows, [T]: those the dense path computes; the packed kernel takes the rest."""
+
+    dense: torch.Tensor  # bool [T]
+    dense_index: torch.Tensor  # int64, the rows dense marks
+    packed_index: torch.Tensor  # int64, the others
+
+    @classmethod
+    def of(cls, dense: torch.Tensor) -> _RowPaths:
+        return cls(dense, dense.nonzero().view(-1), (~dense).nonzero().view(-1))
+
+
+_ROW_PATHS: ContextVar[_RowPaths | None] = ContextVar("pdserve_quant_row_paths", default=None)
+
+
+@contextmanager
+def dense_rows(dense: torch.Tensor) -> Iterator[None]:
+    """Within: a quantized layer given the step's T rows (``dense``, bool [T]) computes the
+    rows ``dense`` marks on the dense path and the others on the packed kernel; a layer
+    given a subset of them (an expert's tokens: see ``row_subset``) follows the subset's
+    marks; a layer given other rows (the head's sampled rows) takes the packed kernel."""
+    token = _ROW_PATHS.set(_RowPaths.of(dense))
+    try:
+        yield
+    finally:
+        _ROW_PATHS.reset(token)
+
+
+@contextmanager
+def row_subset(index: torch.Tensor) -> Iterator[None]:
+    """Within ``dense_rows``: the layers called next get the step's rows ``index``."""
+    paths = _ROW_PATHS.get()
+    if paths is None:
+        yield
+        return
+    token = _ROW_PATHS.set(_RowPaths.of(paths.dense[index]))
+    try:
+        yield
+    finally:
+        _ROW_PATHS.reset(token)
 
 
 class _TorchQ4:
@@ -149,12 +201,26 @@ class PackedMatmul:
                     x.to(torch.bfloat16), w.qweight, scales
                 ).float()
             return _dense_in_chunks(x, w)
-        if x.shape[0] >= DENSE_MIN_ROWS:
+        paths = _ROW_PATHS.get()
+        if paths is None:
+            if x.shape[0] >= DENSE_MIN_ROWS:
+                return _dense_in_chunks(x, w)
+            return self._packed(x, w)
+        if x.shape[0] != paths.dense.shape[0] or not paths.dense_index.numel():
+            return self._packed(x, w)
+        if not paths.packed_index.numel():
             return _dense_in_chunks(x, w)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        out[paths.dense_index] = _dense_in_chunks(x[paths.dense_index], w)
+        out[paths.packed_index] = self._packed(x[paths.packed_index].contiguous(), w)
+        return out
+
+    def _packed(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if isinstance(w, Q4Weight):
             return cpu_quant.q4_matmul(
                 x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits
             )
+        assert isinstance(w, Q8Weight), type(w)
         return cpu_quant.q8_matmul(x, w.qweight, w.scales, w.group_size, self.act_bits)
 
 
