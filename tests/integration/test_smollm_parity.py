@@ -1,4 +1,11 @@
-"""SmolLM2-135M-Instruct, float32: the engine's greedy output equals transformers' generate."""
+"""SmolLM2-135M-Instruct: the engine's greedy output against transformers' generate.
+
+Float32 (`--quantization none`) is exact: every token equal. The default CPU format
+(`gguf`: the shipped Q4_1 weights, packed, with 16-bit activation codes) computes on the
+same weights (the float checkpoint is those blocks dequantized) but rounds the activations,
+so it may part from transformers, and only at a near-tie; the test shows where and by how
+much.
+"""
 
 from __future__ import annotations
 
@@ -22,18 +29,28 @@ pytestmark = pytest.mark.slow
 # Context sentences per prompt: about 30 to 650+ tokens after the chat template.
 CONTEXT_SIZES = [0, 1, 4, 8, 14, 22, 31, 42]
 NEW_TOKENS = 64
+# Where the gguf format parts from transformers, transformers' own logit for its token
+# leads the engine's token by less than this: twice the largest logit error measured on
+# these prompts (0.05; the logits span about 30). Seen: one part, at a margin of 0.0005.
+NEAR_TIE = 0.1
 
 
 @pytest.fixture(scope="module")
-def llm(smollm_dir: Path) -> LLM:
-    return LLM(EngineConfig(model=str(smollm_dir), device="cpu", dtype="float32"))
+def float_llm(smollm_dir: Path) -> LLM:
+    return LLM(EngineConfig(model=str(smollm_dir), device="cpu", dtype="float32",
+                            quantization="none"))  # fmt: skip
 
 
-def test_concurrent_batch_matches_transformers(llm: LLM, smollm_dir: Path) -> None:
-    prompts = [llm.encode(prompt_with_context(n, i)) for i, n in enumerate(CONTEXT_SIZES)]
-    lengths = [len(p) for p in prompts]
-    assert min(lengths) <= 40 and max(lengths) >= 600, lengths
+@pytest.fixture(scope="module")
+def reference(
+    smollm_dir: Path, float_llm: LLM
+) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    prompts = [float_llm.encode(prompt_with_context(n, i)) for i, n in enumerate(CONTEXT_SIZES)]
+    expected, expected_logits = hf_greedy(smollm_dir, prompts, NEW_TOKENS)
+    return prompts, expected, expected_logits
 
+
+def _generate_recording(llm: LLM, prompts: list[list[int]]) -> tuple[list, dict[str, list]]:
     recorded: dict[str, list[torch.Tensor]] = {}
     sampler = llm.engine.sampler
 
@@ -47,8 +64,15 @@ def test_concurrent_batch_matches_transformers(llm: LLM, smollm_dir: Path) -> No
         completions = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     finally:
         llm.engine.sampler = sampler
-    expected, expected_logits = hf_greedy(smollm_dir, prompts, NEW_TOKENS)
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+    return completions, recorded
 
+
+def test_concurrent_batch_matches_transformers(float_llm: LLM, reference: tuple) -> None:
+    prompts, expected, expected_logits = reference
+    lengths = [len(p) for p in prompts]
+    assert min(lengths) <= 40 and max(lengths) >= 600, lengths
+    completions, recorded = _generate_recording(float_llm, prompts)
     diffs = [
         (torch.stack(recorded[c.request_id]) - ref).abs().max().item()
         for c, ref in zip(completions, expected_logits, strict=True)
@@ -56,7 +80,31 @@ def test_concurrent_batch_matches_transformers(llm: LLM, smollm_dir: Path) -> No
     print(f"prompt lengths {lengths}; max |logit diff| per prompt: {[f'{d:.2e}' for d in diffs]}")
     for completion, want in zip(completions, expected, strict=True):
         assert completion.token_ids == want
-    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_gguf_batch_parts_from_transformers_only_at_near_ties(
+    smollm_dir: Path, reference: tuple
+) -> None:
+    prompts, expected, expected_logits = reference
+    llm = LLM(EngineConfig(model=str(smollm_dir), device="cpu", quantization="gguf"))
+    assert llm.engine.weight_identity is not None  # packed Q4_1, not float
+    completions, recorded = _generate_recording(llm, prompts)
+    identical = 0
+    for completion, want, ref in zip(completions, expected, expected_logits, strict=True):
+        got = completion.token_ids
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        agreed = len(got) if first is None else first
+        diff = (torch.stack(recorded[completion.request_id][:agreed + 1]) - ref[:agreed + 1])
+        if first is None:
+            identical += 1
+            print(f"{completion.request_id}: identical, max |logit diff| {diff.abs().max():.3f}")
+            continue
+        margin = (ref[first, want[first]] - ref[first, got[first]]).item()
+        print(f"{completion.request_id}: parts at token {first} ({want[first]} -> {got[first]}), "
+              f"transformers' margin {margin:.4f}, max |logit diff| up to there "
+              f"{diff.abs().max():.3f}")  # fmt: skip
+        assert 0 <= margin < NEAR_TIE, (completion.request_id, first, margin)
+    assert identical >= len(prompts) // 2, identical
 
 
 def test_cli_json_matches_transformers(smollm_dir: Path, tmp_path: Path) -> None:
@@ -64,7 +112,8 @@ def test_cli_json_matches_transformers(smollm_dir: Path, tmp_path: Path) -> None
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
     result = subprocess.run(
         [sys.executable, "-m", "pdserve", "generate", "--local", "--json",
-         "--model", str(smollm_dir), "--max-tokens", "48", *prompts],
+         "--model", str(smollm_dir), "--quantization", "none", "--max-tokens", "48",
+         *prompts],
         capture_output=True, text=True, env=env, timeout=600, check=True,
     )  # fmt: skip
     records = [json.loads(line) for line in result.stdout.splitlines()]
