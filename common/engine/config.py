@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.engine.speculative.config import SpeculativeConfig
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 
 if TYPE_CHECKING:  # torch is imported when a config is turned into torch objects, so that
@@ -77,6 +78,9 @@ class EngineConfig:
     # Decode-only steps of dense models with quantized weights in one C++ call
     # (common/models/quant/fused_decode.py); off = the Python path, the same arithmetic.
     fused_decode: bool = True
+    # Speculative decoding, vLLM's --speculative-config JSON
+    # (common/engine/speculative/config.py); None = off.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -113,6 +117,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_dtype must be auto or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}"
             )
+        self.speculative  # noqa: B018 (parses and checks it)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if not self.speculative_config:
+            return None
+        return SpeculativeConfig.from_json(self.speculative_config)
 
     @classmethod
     def from_env(cls, model: str, **overrides: object) -> EngineConfig:
@@ -127,6 +138,7 @@ class EngineConfig:
             "quant_kernel": os.environ.get("PDSERVE_QUANT_KERNEL"),
             "quant_act_bits": os.environ.get("PDSERVE_QUANT_ACT_BITS"),
             "fused_decode": os.environ.get("PDSERVE_FUSED_DECODE"),
+            "speculative_config": os.environ.get("PDSERVE_SPECULATIVE_CONFIG"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
         for name in ("num_threads", "quant_act_bits"):

@@ -46,6 +46,9 @@ from common.engine.request import (
 from common.engine.sampler import Sampler, prompt_logprob_entries
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledRequest, Scheduler
+from common.engine.speculative.proposer import proposer_for
+from common.engine.speculative.stats import SpecDecodeStats
+from common.engine.speculative.verify import VerifyRow, accepted
 from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from common.experts.counts import ExpertCounts
 from common.kv.hashing import BlockHash, hash_prompt_blocks
@@ -117,9 +120,13 @@ class Engine:
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.block_size, config.enable_prefix_caching
         )
+        self.speculative = config.speculative
+        self.proposer = proposer_for(self.speculative) if self.speculative else None
+        self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
-        )
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
+            propose=self._propose if self.proposer is not None else None,
+        )  # fmt: skip
         self.sampler = Sampler(self.spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
@@ -259,25 +266,49 @@ class Engine:
             rows = step.prompt_logprobs.get(item.request.request_id)
             if rows is not None:
                 self._score_prompt(item, rows)
+            if item.draft_token_ids:
+                continue  # computed, but what stays is known once verified
             item.request.num_computed_tokens += item.num_new_tokens
-            self.kv.publish_full_blocks(item.request)
-            if item.request.write_behind:
-                self._copy_full_blocks(item.request)
+            self._publish(item.request)
         if not sampling:
             return outputs
-        requests = [s.request for s in sampling]
-        result = self.sampler(logits, requests)
-        for req, token_id, logprob in zip(requests, result.token_ids, result.logprobs, strict=True):
-            finished = req.append_token(token_id, self.max_model_len)
+        # One sampler row per logits row: a verify's row j sees its first j drafts.
+        rows_of: list[Request | VerifyRow] = []
+        for item in sampling:
+            draft = item.draft_token_ids
+            rows_of.append(item.request)
+            rows_of.extend(VerifyRow(item.request, draft[:j]) for j in range(1, len(draft) + 1))
+        result = self.sampler(logits, rows_of)
+        row = 0
+        for item in sampling:
+            req, draft = item.request, item.draft_token_ids
+            picks = result.token_ids[row : row + len(draft) + 1]
+            emitted = accepted(picks, draft) if draft else picks
+            start = req.num_computed_tokens  # a verify's: the position of its last token
             out = RequestOutput(
                 req.request_id,
-                [token_id],
-                [logprob],
+                [],
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 first_scheduled_time=req.first_scheduled_time,
-                full_blocks=FullBlocks.join(req.pending_writes),
             )
+            finished = False
+            for j, token_id in enumerate(emitted):
+                out.new_token_ids.append(token_id)
+                out.new_logprobs.append(result.logprobs[row + j])
+                finished = req.append_token(token_id, self.max_model_len)
+                if finished:
+                    break
+            row += len(draft) + 1
+            if draft:
+                self.spec_stats.record(len(draft), len(emitted) - 1)
+                # What stays computed: the last token's KV and the accepted drafts' (up to a
+                # stop among them); the rest is rolled back, its slots rewritten later.
+                req.num_computed_tokens = min(start + len(emitted), req.num_tokens - 1)
+                self._publish(req)
+                if not finished:
+                    self.kv.trim(req)
+            out.full_blocks = FullBlocks.join(req.pending_writes)
             req.pending_writes = []
             self._hand_out_prompt_logprobs(req, out)
             if finished:
@@ -287,6 +318,28 @@ class Engine:
                 out.finish_reason = FinishReason.PREFILLED
             outputs.append(out)
         return outputs
+
+    def _publish(self, req: Request) -> None:
+        """After the request's computed tokens moved on: its newly full blocks become prefix
+        hits, and copies of them go to write-behind."""
+        self.kv.publish_full_blocks(req)
+        if req.write_behind:
+            self._copy_full_blocks(req)
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Speculative guesses for a decoding request (Scheduler's ``propose``): at most
+        ``num_speculative_tokens``, the step's remaining budget, and what max_tokens and
+        the context leave after the token the verify itself yields."""
+        assert self.proposer is not None and self.speculative is not None
+        if req.prefill_only or not req.sampling.speculative:
+            return []
+        limit = min(
+            self.speculative.num_speculative_tokens,
+            budget,
+            req.sampling.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return self.proposer.propose(req, limit) if limit > 0 else []
 
     def _score_prompt(self, item: ScheduledRequest, rows: torch.Tensor) -> None:
         """Turns this chunk's log-softmax rows [m, V] into the request's prompt logprobs

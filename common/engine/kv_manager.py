@@ -82,6 +82,18 @@ class KVCacheManager:
             self.pool.cache(blocks[i], req.block_hashes[i])
         self._num_published[req.request_id] = max(num_full, self._num_published[req.request_id])
 
+    def trim(self, req: Request) -> None:
+        """Frees the request's blocks past what its tokens need (after a speculative verify
+        whose rejected positions had blocks of their own); they were never published."""
+        blocks = self._blocks.get(req.request_id)
+        keep = self.blocks_for_tokens(req.num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert self._num_published[req.request_id] <= keep, req.request_id
+        surplus = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(surplus))
+
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]
 

@@ -60,7 +60,9 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 class StepLogits:
     """What one step's forward pass hands the engine."""
 
-    logits: torch.Tensor  # [n, V'] float32, the sampling requests' last positions, in order
+    # [n', V'] float32, the sampling requests' last positions, in order; a speculative
+    # verify has 1 + len(draft_token_ids) rows, one per position it computed.
+    logits: torch.Tensor
     sampling: list[ScheduledRequest]
     # Requests with prompt logprobs to score in this step, by request id: float32
     # log-softmax over the vocab at ``item.prompt_logprob_positions``, [m, V].
@@ -169,15 +171,19 @@ class ModelRunner:
             if item.import_block_ids:
                 self._import(item)
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        # Speculative verifies (the last token and its drafts) are short prefill chunks to
+        # attention, and come first among them.
+        prefills = [s for s in scheduled if s.draft_token_ids]
+        prefills += [s for s in scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         # Generated tokens first, then one-token prompt chunks (attention treats both as
-        # single-token queries): the expert-load recorder counts the first run as decode.
+        # single-token queries): the expert-load recorder counts the generated and verified
+        # rows, which lead, as decode.
         decodes.sort(key=_is_prompt_token)
         ordered = decodes + prefills
         if self.model.expert_load is not None:
             self.model.expert_load.num_decode_tokens = sum(
                 1 for s in decodes if not _is_prompt_token(s)
-            )
+            ) + sum(s.num_new_tokens for s in prefills if s.draft_token_ids)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -189,7 +195,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             for pos in range(start, start + item.num_new_tokens):
                 slots.append(table[pos // S] * S + pos % S)
-            input_ids.extend(req.token_ids[start : start + item.num_new_tokens])
+            num_known = item.num_new_tokens - len(item.draft_token_ids)
+            input_ids.extend(req.token_ids[start : start + num_known])
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + item.num_new_tokens))
 
         def tables(items: list[ScheduledRequest]) -> torch.Tensor:
@@ -239,8 +247,9 @@ class ModelRunner:
                 rows = hidden[first : first + len(scored)]
                 prompt_logprobs[item.request.request_id] = self._log_softmax(rows)
             offset += item.num_new_tokens
-            if item.samples:
-                last_index.append(offset - 1)
+            if item.samples:  # the last row; a verify's every row
+                num_rows = 1 + len(item.draft_token_ids)
+                last_index.extend(range(offset - num_rows, offset))
         index = torch.tensor(last_index, dtype=torch.long, device=self.device)
         with self._row_paths(ordered):  # the sampled rows: the packed head, in any batch
             logits = self.model.compute_logits(hidden[index])

@@ -119,6 +119,9 @@ class Request:
         self.write_behind = write_behind
         self.num_written_blocks = 0
         self.pending_writes: list[FullBlocks] = []
+        # The speculative proposer's own state for this request (common/engine/speculative/
+        # proposer.py), built from verified tokens only.
+        self.proposer_state: object = None
         self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
 

@@ -11,11 +11,14 @@ probability p_i.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from common.engine.request import Request, TokenLogprob
+from common.engine.request import TokenLogprob
+from common.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -32,6 +35,24 @@ def draw_seed(seed: int, position: int) -> int:
     return _mix64(_mix64(seed) ^ position) & ((1 << 63) - 1)
 
 
+class SamplingRow(Protocol):
+    """What the sampler reads of a request: a Request, or one of its speculative verify
+    rows (common/engine/speculative/verify.py's VerifyRow)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -42,7 +63,7 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> SampleResult:
         """logits: [n, V] float32 (may be wider than V: padded vocab columns are dropped)."""
         logits = logits[:, : self.vocab_size]
         logits = self._apply_penalties(logits, requests)
@@ -62,7 +83,9 @@ class Sampler:
                     )
         return SampleResult(token_ids, logprobs)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRow]
+    ) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.sampling.has_penalties]
         if not rows:
             return logits
@@ -90,7 +113,7 @@ class Sampler:
                     row -= params.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _draw(self, logits: torch.Tensor, req: Request) -> int:
+    def _draw(self, logits: torch.Tensor, req: SamplingRow) -> int:
         params = req.sampling
         scaled = logits / params.temperature  # [V]
         if params.top_k and params.top_k < scaled.shape[0]:

@@ -37,6 +37,9 @@ class SamplingParams:
     # log-softmax). Every prompt position is then computed: no prefix-cache hit or imported
     # KV skips any.
     prompt_logprobs: int | None = None
+    # False: this request is never speculated on, whatever the decode worker's
+    # --speculative-config (the output is the same either way; the cost is not).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -9,6 +9,7 @@ preempted (its blocks freed, its tokens kept) and later recomputed, using the pr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.engine.kv_manager import KVCacheManager
@@ -19,8 +20,12 @@ from common.errors import QueueFullError
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # the model computes token_ids[num_computed : num_computed + this]
+    # The model computes token_ids[num_computed:] (this many, drafts included) and then the
+    # drafts: a speculative verify is the request's last token and len(draft_token_ids)
+    # proposed ones, with logits at every row.
+    num_new_tokens: int
     import_block_ids: list[int] = field(default_factory=list)  # blocks to fill from kv_import
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -33,7 +38,9 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a token is sampled."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        return req.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == (
+            req.num_tokens
+        )
 
 
 @dataclass
@@ -55,8 +62,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_waiting: int,
+        propose: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
+        """``propose(request, at_most)``: a decoding request's speculative guesses for this
+        step (none: no speculation)."""
         self.kv = kv
+        self.propose = propose
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -97,6 +108,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft: list[int] = []
+            if self.propose is not None and req.num_tokens - req.num_computed_tokens == 1:
+                draft = self.propose(req, budget - 1) if budget > 1 else []
+                # Short of blocks for the guesses: verify nothing rather than preempt.
+                if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+                    draft = []
+                num_new += len(draft)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 if victim is req and not self.running:
@@ -110,7 +128,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(ScheduledRequest(req, num_new))
+            scheduled.append(ScheduledRequest(req, num_new, draft_token_ids=draft))
             budget -= num_new
             i += 1
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from common.engine.speculative import verify
-from common.engine.speculative.verify import accepted_greedy, accepted_sampled
+from common.engine.speculative.verify import accepted, accepted_sampled
 
 
 def test_greedy_keeps_the_proposals_up_to_the_first_miss_then_the_targets_token() -> None:
-    assert accepted_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all, and the bonus
-    assert accepted_greedy([5, 6, 7, 8], [5, 9, 7]) == [5, 6]  # 9 missed: the target's 6
-    assert accepted_greedy([5, 6, 7, 8], [1, 6, 7]) == [5]
-    assert accepted_greedy([4], []) == [4]  # nothing proposed: one plain step
+    assert accepted([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all, and the bonus
+    assert accepted([5, 6, 7, 8], [5, 9, 7]) == [5, 6]  # 9 missed: the target's 6
+    assert accepted([5, 6, 7, 8], [1, 6, 7]) == [5]
+    assert accepted([4], []) == [4]  # nothing proposed: one plain step
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -34,7 +34,7 @@ def test_greedy_emits_what_plain_greedy_steps_would(seed: int) -> None:
         for _ in range(rng.randint(0, 4)):
             proposed.append(table[proposed[-1]] if rng.random() < 0.7 else rng.randrange(6))
         rows = [table[t] for t in [spec[-1], *proposed]]
-        spec += accepted_greedy(rows, proposed)
+        spec += accepted(rows, proposed)
     assert spec[: len(plain)] == plain
 
 

@@ -4,36 +4,78 @@ Shapes: k = proposed tokens, V = vocab. The target computed k + 1 rows for a seq
 row i is its distribution for the token after the context and the first i proposals, so
 row k (all accepted) yields one more token, the "bonus".
 
-- Greedy: the proposals are kept up to the first that is not the row's argmax; that row's
-  argmax follows. The emitted tokens are exactly what k + 1 plain greedy steps would emit.
-- Sampled (rejection sampling, Leviathan et al. 2023 / Chen et al. 2023): proposal x_i
-  from a draft distribution q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i));
-  at the first rejection a token is drawn from norm(max(p_i - q_i, 0)) and the round ends.
-  Every emitted token is then distributed as the target's p, whatever q is. Prompt lookup
-  proposes deterministically: q_i is a point mass on x_i, so acceptance is p_i(x_i) and
-  the residual is p_i without x_i.
+- Point-mass proposals (prompt lookup, a draft model's greedy guesses): ``accepted``.
+  The sampler picks a token at every verify row exactly as a plain step at that output
+  position would (the argmax when greedy; the seeded draw ``draw_seed(seed, position)``
+  when sampling); proposals are kept while they equal those picks, and the first pick
+  that differs ends the round. For greedy this is what k + 1 plain steps emit. For
+  sampling it is rejection sampling with q a point mass on x: x is kept with probability
+  p(x), and a rejected round emits the draw, which given that it is not x is distributed
+  as norm(p without x), the residual. Each emitted token is distributed as the target's
+  p, and a seeded request emits the same tokens with and without speculation (the same
+  draws at the same positions), whatever k is in each round.
+- Proposals drawn from a distribution q: ``accepted_sampled`` (Leviathan et al. 2023 /
+  Chen et al. 2023): x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the
+  first rejection a token is drawn from norm(max(p_i - q_i, 0)) and the round ends.
 
 ``p`` rows must be the distributions the sampler would draw from (penalties, temperature,
-top-k/top-p/min-p applied). Randomness is per output position (``draw_seed(seed,
-position)``), so a seeded request's output is reproducible; it differs from the
-non-speculative run's draws, as in every engine that speculates, but not in distribution.
+top-k/top-p/min-p applied), each row under its own context (row i: the context and the
+first i proposals; ``VerifyRow``). Randomness is per output position.
 """
 
 from __future__ import annotations
 
 import torch
 
+from common.engine.request import Request
 from common.engine.sampler import draw_seed
+from common.engine.sampling_params import SamplingParams
 
 
-def accepted_greedy(target_argmax: list[int], proposed: list[int]) -> list[int]:
+def accepted(target_tokens: list[int], proposed: list[int]) -> list[int]:
     """The tokens emitted: the accepted proposals, then the target's own token.
-    ``target_argmax`` has one entry per verify row (len(proposed) + 1)."""
-    assert len(target_argmax) == len(proposed) + 1, (len(target_argmax), len(proposed))
+    ``target_tokens`` has the sampler's pick at each verify row (len(proposed) + 1)."""
+    assert len(target_tokens) == len(proposed) + 1, (len(target_tokens), len(proposed))
     for i, token in enumerate(proposed):
-        if token != target_argmax[i]:
-            return [*proposed[:i], target_argmax[i]]
-    return [*proposed, target_argmax[-1]]
+        if token != target_tokens[i]:
+            return [*proposed[:i], target_tokens[i]]
+    return [*proposed, target_tokens[-1]]
+
+
+class VerifyRow:
+    """What the sampler reads of a request at verify row ``len(extra)``: the request with
+    the proposals before that row appended (penalties, and the output position that seeds
+    the draw, follow them)."""
+
+    __slots__ = ("extra", "request")
+
+    def __init__(self, request: Request, extra: list[int]) -> None:
+        self.request = request
+        self.extra = extra
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.extra
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.extra
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.extra)
 
 
 def _generator(seed: int, position: int) -> torch.Generator:

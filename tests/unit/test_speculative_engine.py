@@ -1,0 +1,244 @@
+"""Speculative decoding inside the engine's step (common/engine/engine.py, scheduler.py,
+model_runner.py): verify rows batched with plain decodes and prefills, rollback, bursts.
+
+Two proposers drive it: the real prompt lookup (``--speculative-config`` ngram), and an
+oracle that proposes the plain run's own next tokens with some of them corrupted, so that
+every case of verification (all kept with the bonus, a miss at each position, a stop or
+max_tokens inside a burst) happens on a tiny random model, which by itself rarely repeats.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.engine.engine import Engine
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+from common.kv.hashing import hash_prompt_blocks
+from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "llama", "llama",
+                                intermediate_size=128)  # fmt: skip
+
+
+def _prompts() -> dict[str, list[int]]:
+    prompts = random_prompts(384, [23, 41, 9, 64], seed=2)
+    # Copies inside the prompt, for the lookup to find.
+    return {f"r{i}": p + p[3:15] for i, p in enumerate(prompts)}
+
+
+class Oracle:
+    """Proposes what the plain run emitted next, each guess replaced by a wrong token with
+    probability ``miss``; records what it proposed."""
+
+    def __init__(self, plain: dict[str, list[int]], prompts: dict[str, list[int]], miss: float,
+                 seed: int = 0) -> None:  # fmt: skip
+        self.plain, self.prompts, self.miss = plain, prompts, miss
+        self.rng = random.Random(seed)
+        self.proposed = 0
+
+    def propose(self, req: Request, num_tokens: int) -> list[int]:
+        done = req.num_output_tokens
+        future = self.plain[req.request_id][done : done + num_tokens]
+        guesses = [t if self.rng.random() >= self.miss else (t + 1) % 384 for t in future]
+        self.proposed += len(guesses)
+        return guesses
+
+
+def _spec_engine(ckpt: Path, oracle: Oracle | None = None, **overrides: Any) -> Engine:
+    engine = tiny_engine(ckpt, speculative_config=NGRAM, **overrides)
+    if oracle is not None:
+        engine.proposer = oracle  # type: ignore[assignment]
+    return engine
+
+
+def _checked_run(engine: Engine, prompts: dict[str, list[int]], sampling: SamplingParams
+                 ) -> tuple[dict[str, list[int]], dict[str, list[Any]]]:  # fmt: skip
+    """Runs to completion, checking after every step that each running request holds no
+    block past its tokens, has computed all but its last, and that only verified tokens'
+    blocks are cached."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    logprobs: dict[str, list[Any]] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, sampling)
+    verified: set[Any] = set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.new_logprobs
+            assert len(out.new_token_ids) == len(out.new_logprobs)
+        for req in engine.scheduler.running:  # rejected positions hold no blocks
+            held = len(engine.kv.block_ids(req))
+            assert held <= engine.kv.blocks_for_tokens(req.num_tokens), req.request_id
+            if req.num_output_tokens:
+                assert req.num_computed_tokens == req.num_tokens - 1, req.request_id
+        for rid, prompt in prompts.items():
+            verified.update(_hashes(engine, prompt + tokens[rid]))
+        cached = set(engine.kv.pool.cached_hashes())
+        assert cached <= verified, "a block of unverified tokens was published"
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    return tokens, logprobs
+
+
+def _hashes(engine: Engine, token_ids: list[int]) -> list[Any]:
+    return hash_prompt_blocks(token_ids, engine.block_size, None, seed=engine.config.hash_seed,
+                              weights=engine.weight_identity)  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("miss", [0.0, 0.3, 1.0])
+def test_output_equals_the_plain_runs_whatever_is_proposed(
+    ckpt: Path, sampling: SamplingParams, miss: float
+) -> None:
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, sampling)
+    oracle = Oracle(plain, prompts, miss)
+    engine = _spec_engine(ckpt, oracle)
+    spec, _ = _checked_run(engine, prompts, sampling)
+    assert spec == plain
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens == oracle.proposed > 0
+    if miss == 0.0:  # every guess kept: 4 proposals + the bonus per step
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.num_drafts < sum(len(t) for t in plain.values()) / 4
+    if miss == 1.0:
+        assert stats.num_accepted_tokens == 0
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+
+
+def test_prompt_lookup_changes_nothing_but_the_step_count(ckpt: Path) -> None:
+    prompts = _prompts()
+    for sampling in (GREEDY, SEEDED):
+        plain = run_to_completion(tiny_engine(ckpt), prompts, sampling)
+        engine = _spec_engine(ckpt)
+        spec, _ = _checked_run(engine, prompts, sampling)
+        assert spec == plain
+        assert engine.spec_stats.num_draft_tokens > 0
+
+
+def test_logprobs_and_penalties_follow_each_verify_rows_own_context(ckpt: Path) -> None:
+    prompts = _prompts()
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=True, top_logprobs=3,
+                              repetition_penalty=1.3, frequency_penalty=0.5)  # fmt: skip
+    plain_engine = tiny_engine(ckpt)
+    plain, plain_logprobs = _checked_run(plain_engine, prompts, sampling)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.2))
+    spec, spec_logprobs = _checked_run(engine, prompts, sampling)
+    assert spec == plain
+    for rid in prompts:
+        for a, b in zip(plain_logprobs[rid], spec_logprobs[rid], strict=True):
+            assert a.token_id == b.token_id
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_stop_or_max_tokens_inside_a_burst_ends_the_output_there(ckpt: Path) -> None:
+    prompts = _prompts()
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = run_to_completion(tiny_engine(ckpt), prompts, long)
+    # Stop on a token each plain output emits mid-way; and a max_tokens no burst lands on.
+    for rid, out in plain.items():
+        stop = out[17]
+        sampling = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop,))
+        want = out[: out.index(stop) + 1]
+        engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.0))
+        got, _ = _checked_run(engine, {rid: prompts[rid]}, sampling)
+        assert got[rid] == want
+    for max_tokens in (1, 2, 7, 13):
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.0))
+        got, _ = _checked_run(engine, prompts, sampling)
+        assert got == {rid: out[:max_tokens] for rid, out in plain.items()}
+
+
+def test_a_request_can_turn_speculation_off(ckpt: Path) -> None:
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    oracle = Oracle(plain, prompts, miss=0.0)
+    engine = _spec_engine(ckpt, oracle)
+    off = SamplingParams(max_tokens=40, ignore_eos=True, speculative=False)
+    got, _ = _checked_run(engine, prompts, off)
+    assert got == plain
+    assert oracle.proposed == 0 and engine.spec_stats.num_drafts == 0
+
+
+def test_verifies_share_steps_with_prefills_and_plain_decodes(ckpt: Path) -> None:
+    """Requests arrive while others speculate; some opt out: one batch holds verify rows,
+    prefill chunks and single-token decodes, and every output is still the plain one."""
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3), max_num_batched_tokens=48)
+    kinds: set[str] = set()
+    execute = engine.runner.execute
+
+    def watching(scheduled: list, tables: dict) -> Any:
+        kinds.update("verify" if s.draft_token_ids else "decode" if s.num_new_tokens == 1
+                     else "prefill" for s in scheduled)  # fmt: skip
+        if {"verify", "prefill"} <= {("verify" if s.draft_token_ids else "prefill"
+                                      if s.num_new_tokens > 1 else "decode") for s in scheduled}:
+            kinds.add("mixed")
+        return execute(scheduled, tables)
+
+    engine.runner.execute = watching  # type: ignore[method-assign]
+    order = list(prompts)
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    engine.add_request(order[0], prompts[order[0]], GREEDY)
+    step = 0
+    while engine.has_unfinished() or len(order) > 1:
+        if step in (3, 6, 9) and len(order) > 1:
+            rid = order.pop(1)
+            sampling = GREEDY if step != 6 else SamplingParams(
+                max_tokens=40, ignore_eos=True, speculative=False)  # fmt: skip
+            engine.add_request(rid, prompts[rid], sampling)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        step += 1
+    assert tokens == plain
+    assert {"verify", "decode", "mixed"} <= kinds
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_preemption_of_a_speculating_request_loses_nothing(ckpt: Path) -> None:
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    # Few blocks: requests preempt one another while they speculate.
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3), num_kv_blocks=14)
+    got, _ = _checked_run(engine, prompts, GREEDY)
+    assert got == plain
+    assert engine.num_preemptions > 0
+
+
+def test_the_quantized_path_verifies_as_it_decodes(ckpt: Path) -> None:
+    """int4 weights on the C++ kernels: verify rows take the packed kernel a decode row
+    takes (common/models/quant/linear.py), so greedy output is the plain run's."""
+    from kernels.cpu import available
+
+    if not available():
+        pytest.skip("the C++ CPU kernels do not build here")
+    prompts = _prompts()
+    quant = dict(quantization="int4", quant_kernel="cpp")
+    plain = run_to_completion(tiny_engine(ckpt, **quant), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3), **quant)
+    got, _ = _checked_run(engine, prompts, GREEDY)
+    assert got == plain
