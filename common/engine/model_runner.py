@@ -170,20 +170,21 @@ class ModelRunner:
         for item in scheduled:
             if item.import_block_ids:
                 self._import(item)
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        # Speculative verifies (the last token and its drafts) are short prefill chunks to
-        # attention, and come first among them.
-        prefills = [s for s in scheduled if s.draft_token_ids]
-        prefills += [s for s in scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
-        # Generated tokens first, then one-token prompt chunks (attention treats both as
-        # single-token queries): the expert-load recorder counts the generated and verified
-        # rows, which lead, as decode.
-        decodes.sort(key=_is_prompt_token)
+        # Single-token queries first: generated tokens, speculative verifies, one-token
+        # prompt chunks; then prefill chunks. A verify (the last token and its drafts) is
+        # one query per row to attention, row j with the sequence's blocks and length
+        # start + j + 1 (its K/V are written before any query reads them), so each row
+        # computes as a plain decode step at that position would. The expert-load
+        # recorder counts the leading generated and verified rows as decode.
+        singles = [s for s in scheduled if s.num_new_tokens == 1]
+        decodes = [s for s in singles if not _is_prompt_token(s)]
+        decodes += [s for s in scheduled if s.draft_token_ids]
+        num_generated_rows = sum(s.num_new_tokens for s in decodes)
+        decodes += [s for s in singles if _is_prompt_token(s)]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         ordered = decodes + prefills
         if self.model.expert_load is not None:
-            self.model.expert_load.num_decode_tokens = sum(
-                1 for s in decodes if not _is_prompt_token(s)
-            ) + sum(s.num_new_tokens for s in prefills if s.draft_token_ids)
+            self.model.expert_load.num_decode_tokens = num_generated_rows
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -200,14 +201,20 @@ class ModelRunner:
             input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + item.num_new_tokens))
 
-        def tables(items: list[ScheduledRequest]) -> torch.Tensor:
-            rows = [block_tables[s.request.request_id] for s in items]
+        def tables(items: list[ScheduledRequest], per_token: bool = False) -> torch.Tensor:
+            rows = [
+                block_tables[s.request.request_id]
+                for s in items
+                for _ in range(s.num_new_tokens if per_token else 1)
+            ]
             width = max((len(r) for r in rows), default=0)
             return torch.tensor(
                 [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32
             ).reshape(len(rows), width)
 
-        decode_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        decode_lens = [
+            s.request.num_computed_tokens + j + 1 for s in decodes for j in range(s.num_new_tokens)
+        ]
         prefill_q_lens = [s.num_new_tokens for s in prefills]
         prefill_lens = [s.request.num_computed_tokens + s.num_new_tokens for s in prefills]
         q_starts = [0]
@@ -215,8 +222,8 @@ class ModelRunner:
             q_starts.append(q_starts[-1] + q_len)
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=tables(decodes),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=tables(decodes, per_token=True),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32),
             prefill_block_tables=tables(prefills),
             prefill_query_start_loc=torch.tensor(q_starts, dtype=torch.int32),

@@ -230,15 +230,21 @@ def test_preemption_of_a_speculating_request_loses_nothing(ckpt: Path) -> None:
 
 
 def test_the_quantized_path_verifies_as_it_decodes(ckpt: Path) -> None:
-    """int4 weights on the C++ kernels: verify rows take the packed kernel a decode row
-    takes (common/models/quant/linear.py), so greedy output is the plain run's."""
+    """int4 weights on the C++ kernels and attention: a verify row is a decode query at its
+    position (common/engine/model_runner.py) on the packed kernel a decode row takes
+    (common/models/quant/linear.py), and that kernel computes each row alone, so each
+    emitted token's logprob is the plain step's to the bit."""
     from kernels.cpu import available
 
     if not available():
         pytest.skip("the C++ CPU kernels do not build here")
     prompts = _prompts()
-    quant = dict(quantization="int4", quant_kernel="cpp")
-    plain = run_to_completion(tiny_engine(ckpt, **quant), prompts, GREEDY)
+    quant: dict[str, Any] = dict(quantization="int4", quant_kernel="cpp", attention_backend="cpp")
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True)
+    plain, plain_logprobs = _checked_run(tiny_engine(ckpt, **quant), prompts, sampling)
     engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3), **quant)
-    got, _ = _checked_run(engine, prompts, GREEDY)
+    got, logprobs = _checked_run(engine, prompts, sampling)
     assert got == plain
+    assert engine.runner.model.fused_decoder is not None  # verify steps ran fused too
+    for rid in prompts:
+        assert [e.logprob for e in logprobs[rid]] == [e.logprob for e in plain_logprobs[rid]]
