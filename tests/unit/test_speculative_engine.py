@@ -200,7 +200,7 @@ def test_verifies_share_steps_with_prefills_and_plain_decodes(ckpt: Path) -> Non
             kinds.add("mixed")
         return execute(scheduled, tables)
 
-    engine.runner.execute = watching  # type: ignore[method-assign]
+    engine.runner.execute = watching  # type: ignore[method-assign,assignment]
     order = list(prompts)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     engine.add_request(order[0], prompts[order[0]], GREEDY)
