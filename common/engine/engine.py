@@ -46,6 +46,7 @@ from common.engine.request import (
 from common.engine.sampler import Sampler, prompt_logprob_entries
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledRequest, Scheduler
+from common.engine.speculative.policy import Acceptance, StepCost, worth_verifying
 from common.engine.speculative.proposer import proposer_for
 from common.engine.speculative.stats import SpecDecodeStats
 from common.engine.speculative.verify import VerifyRow, accepted
@@ -123,6 +124,8 @@ class Engine:
         self.speculative = config.speculative
         self.proposer = proposer_for(self.speculative) if self.speculative else None
         self.spec_stats = SpecDecodeStats()
+        self.step_cost = StepCost()  # decode steps' milliseconds by rows (speculative policy)
+        self._step_batch = 0
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
             propose=self._propose if self.proposer is not None else None,
@@ -247,6 +250,8 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        self._step_batch = len(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         outputs = [self._finish(req) for req in plan.finished]
@@ -261,6 +266,11 @@ class Engine:
                 item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
         step = self.runner.execute(plan.scheduled, block_tables)
+        if self.proposer is not None and all(
+            s.num_new_tokens == 1 or s.draft_token_ids for s in plan.scheduled
+        ):  # a decode step: what its rows cost, for the speculative policy
+            ms = (time.perf_counter() - started) * 1000
+            self.step_cost.add(sum(s.num_new_tokens for s in plan.scheduled), ms)
         logits, sampling = step.logits, step.sampling
         for item in plan.scheduled:
             rows = step.prompt_logprobs.get(item.request.request_id)
@@ -302,6 +312,8 @@ class Engine:
             row += len(draft) + 1
             if draft:
                 self.spec_stats.record(len(draft), len(emitted) - 1)
+                assert req.spec_acceptance is not None
+                req.spec_acceptance.add(len(draft), len(emitted) - 1)
                 # What stays computed: the last token's KV and the accepted drafts' (up to a
                 # stop among them); the rest is rolled back, its slots rewritten later.
                 req.num_computed_tokens = min(start + len(emitted), req.num_tokens - 1)
@@ -328,18 +340,28 @@ class Engine:
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Speculative guesses for a decoding request (Scheduler's ``propose``): at most
-        ``num_speculative_tokens``, the step's remaining budget, and what max_tokens and
-        the context leave after the token the verify itself yields."""
+        ``num_speculative_tokens``, the step's remaining budget, what max_tokens and the
+        context leave after the token the verify itself yields, and what is worth its
+        rows at this request's kept rate and this machine's step cost (policy.py)."""
         assert self.proposer is not None and self.speculative is not None
         if req.prefill_only or not req.sampling.speculative:
             return []
+        if req.spec_acceptance is None:
+            req.spec_acceptance = Acceptance()
         limit = min(
             self.speculative.num_speculative_tokens,
             budget,
             req.sampling.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        return self.proposer.propose(req, limit) if limit > 0 else []
+        if self.speculative.adaptive:
+            limit = worth_verifying(
+                req.spec_acceptance.rate, self._step_batch, self.step_cost, limit
+            )
+        draft = self.proposer.propose(req, limit) if limit > 0 else []
+        if not draft:
+            req.spec_acceptance.idle()
+        return draft
 
     def _score_prompt(self, item: ScheduledRequest, rows: torch.Tensor) -> None:
         """Turns this chunk's log-softmax rows [m, V] into the request's prompt logprobs

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.sampling_params import SamplingParams
+from common.engine.speculative.policy import Acceptance
 from common.kv.hashing import BlockHash, extra_keys_for, hash_block, root_hash
 
 
@@ -122,6 +123,7 @@ class Request:
         # The speculative proposer's own state for this request (common/engine/speculative/
         # proposer.py), built from verified tokens only.
         self.proposer_state: object = None
+        self.spec_acceptance: Acceptance | None = None  # its guesses' kept rate (policy.py)
         self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
 

@@ -20,10 +20,11 @@ import torch
 from common.engine.engine import Engine
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
+from common.engine.speculative.policy import StepCost
 from common.kv.hashing import hash_prompt_blocks
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}'
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11)
 
@@ -248,3 +249,35 @@ def test_the_quantized_path_verifies_as_it_decodes(ckpt: Path) -> None:
     assert engine.runner.model.fused_decoder is not None  # verify steps ran fused too
     for rid in prompts:
         assert [e.logprob for e in logprobs[rid]] == [e.logprob for e in plain_logprobs[rid]]
+
+
+class _CpuLikeCost(StepCost):
+    """The 2-core machine's decode step (6 ms + 2.2 ms a row), whatever the tiny model takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for rows in (1, 2, 3, 4, 5) * 20:
+            super().add(rows, 6.0 + 2.2 * rows)
+
+    def add(self, rows: int, ms: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("miss", "most", "least"), [(1.0, 0.25, 0.0), (0.0, 1.0, 0.95)])
+def test_the_adaptive_policy_verifies_what_pays(
+    ckpt: Path, miss: float, most: float, least: float
+) -> None:
+    """Guesses that always miss are soon no longer verified (a request retries now and
+    then); guesses that are always kept are all verified."""
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    adaptive = NGRAM.replace(', "adaptive": false', "")
+    fixed_oracle = Oracle(plain, prompts, miss)
+    _checked_run(_spec_engine(ckpt, fixed_oracle), prompts, GREEDY)
+    oracle = Oracle(plain, prompts, miss)
+    engine = tiny_engine(ckpt, speculative_config=adaptive)
+    engine.proposer = oracle  # type: ignore[assignment]
+    engine.step_cost = _CpuLikeCost()
+    got, _ = _checked_run(engine, prompts, GREEDY)
+    assert got == plain
+    assert least * fixed_oracle.proposed <= oracle.proposed <= most * fixed_oracle.proposed

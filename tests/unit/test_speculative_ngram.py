@@ -17,7 +17,8 @@ def test_the_longest_suffix_that_occurred_before_proposes_what_followed_it() -> 
     index = NgramIndex(1, 3, context)
     # Suffix [6, 7, 8] occurred at 1..3, followed by 9, 1, 6, ...
     assert index.propose(3) == [9, 1, 6]
-    assert index.propose(10) == [9, 1, 6, 7, 8]  # no further than the context
+    # Past the context's end the text since the occurrence repeats: 9 1 6 7 8, again.
+    assert index.propose(10) == [9, 1, 6, 7, 8, 9, 1, 6, 7, 8]
     # Nothing after [.., 8, 4] occurred before: a fall back to shorter suffixes, then none.
     index.extend([4])
     assert index.propose(2) == []
@@ -34,8 +35,10 @@ def test_the_latest_occurrence_wins_and_shorter_suffixes_are_the_fallback() -> N
 def test_the_suffix_never_matches_itself() -> None:
     assert NgramIndex(1, 4, [7]).propose(4) == []
     assert NgramIndex(1, 4, [1, 2, 3]).propose(4) == []
-    # A run: the latest earlier [7, 7] ends one token before the end.
-    assert NgramIndex(1, 2, [7, 7, 7]).propose(4) == [7]
+    # A run: the latest earlier [7, 7] ends one token before the end; the run goes on.
+    assert NgramIndex(1, 2, [7, 7, 7]).propose(4) == [7, 7, 7, 7]
+    # A loop of period 3 is guessed whole, not 3 at a time.
+    assert NgramIndex(2, 2, [1, 2, 3, 1, 2, 3, 1, 2]).propose(5) == [3, 1, 2, 3, 1]
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -4,6 +4,10 @@
      "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}
 
+pdserve adds ``"adaptive"`` (default true): each step verifies only the guesses worth their
+rows, from the request's kept rate and the measured step cost (policy.py); false verifies
+up to num_speculative_tokens every step, as vLLM does.
+
 Unknown keys are refused by name (a misspelt key silently ignored would turn speculation
 off without a word).
 """
@@ -18,7 +22,7 @@ METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {
     "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-    "quantization",
+    "quantization", "adaptive",
 }  # fmt: skip
 
 
@@ -36,6 +40,9 @@ class SpeculativeConfig:
     # draft_model: the draft's checkpoint and weight format (None: as the target's).
     model: str | None = None
     quantization: str | None = None
+    # pdserve's own key: verify only the guesses worth their rows (policy.py); false =
+    # always up to num_speculative_tokens, as vLLM does.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +90,8 @@ class SpeculativeConfig:
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
                 raise SpeculativeConfigError(f"{key} must be an integer, got {raw[key]!r}")
+        if "adaptive" in raw and not isinstance(raw["adaptive"], bool):
+            raise SpeculativeConfigError(f"adaptive must be true or false, got {raw['adaptive']!r}")
         return cls(**raw)
 
     def to_json(self) -> str:
@@ -91,6 +100,8 @@ class SpeculativeConfig:
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
         }
+        if not self.adaptive:
+            fields["adaptive"] = False
         if self.method == "ngram":
             fields["prompt_lookup_max"] = self.prompt_lookup_max
             fields["prompt_lookup_min"] = self.prompt_lookup_min

@@ -46,15 +46,27 @@ class NgramIndex:
             tokens.append(token)
 
     def propose(self, num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` guesses for the tokens after the context; [] when its
-        suffix occurred nowhere before (for every n), or nothing followed it."""
+        """``num_tokens`` guesses for the tokens after the context; [] when its suffix
+        occurred nowhere before (for every n). A continuation that runs into the end of
+        the context goes on with the guesses themselves: the text since the occurrence
+        repeats (a loop of P tokens is guessed P at a time otherwise)."""
         tokens = self.token_ids
         size = len(tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             e = self._ends[n - self.min_n].get(tuple(tokens[size - n :]))
             if e is not None:
-                return tokens[e : e + num_tokens]
+                return _continue(tokens, e, num_tokens)
         return []
+
+
+def _continue(tokens: list[int], start: int, num_tokens: int) -> list[int]:
+    """tokens[start:] extended with itself: ``num_tokens`` of the sequence whose token i
+    is tokens[start + i], and tokens[start + i - period] past the end."""
+    period = len(tokens) - start
+    guesses = tokens[start : start + num_tokens]
+    while len(guesses) < num_tokens:
+        guesses.append(guesses[len(guesses) - period])
+    return guesses
 
 
 def propose_reference(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -64,5 +76,8 @@ def propose_reference(token_ids: list[int], num_tokens: int, min_n: int, max_n: 
         suffix = token_ids[size - n :]
         for e in range(size - 1, n - 1, -1):  # latest occurrence first; e < size
             if token_ids[e - n : e] == suffix:
-                return token_ids[e : e + num_tokens]
+                extended = list(token_ids)
+                while len(extended) < e + num_tokens:  # what followed, followed by itself
+                    extended.append(extended[len(extended) - (size - e)])
+                return extended[e : e + num_tokens]
     return []

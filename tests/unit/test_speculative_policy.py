@@ -1,0 +1,90 @@
+"""The adaptive speculative policy (common/engine/speculative/policy.py): the step-cost fit,
+a request's kept rate, and how many guesses each is worth."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.engine.speculative.policy import (
+    PRIOR_ROW_FRACTION,
+    Acceptance,
+    StepCost,
+    worth_verifying,
+)
+
+
+def test_the_step_cost_fit_recovers_a_line_and_follows_drift() -> None:
+    cost = StepCost()
+    for i in range(200):
+        rows = 1 + i % 5
+        cost.add(rows, 6.0 + 2.5 * rows)
+    base, row = cost.line()
+    assert base == pytest.approx(6.0) and row == pytest.approx(2.5)
+    for i in range(200):  # the machine slows down: the fit follows
+        rows = 1 + i % 5
+        cost.add(rows, 9.0 + 4.0 * rows)
+    base, row = cost.line()
+    assert base == pytest.approx(9.0, rel=1e-3) and row == pytest.approx(4.0, rel=1e-3)
+
+
+def test_one_row_count_alone_takes_the_prior_slope() -> None:
+    cost = StepCost()
+    for _ in range(10):
+        cost.add(1, 10.0)
+    base, row = cost.line()
+    assert base + row == pytest.approx(10.0)
+    assert row == pytest.approx(PRIOR_ROW_FRACTION * 10.0)
+    assert not StepCost().known and StepCost().line() == (0.0, 0.0)
+
+
+def test_the_kept_rate_follows_a_requests_rounds_and_drifts_back_when_idle() -> None:
+    acc = Acceptance()
+    prior = acc.rate
+    assert 0.5 < prior < 1.0
+    for _ in range(40):
+        acc.add(4, 0)  # every first guess rejected
+    assert acc.rate < 0.05
+    for _ in range(200):
+        acc.idle()
+    assert acc.rate == pytest.approx(prior, abs=0.01)
+    for _ in range(40):
+        acc.add(4, 4)
+    assert acc.rate > 0.97
+
+
+def _cost(base: float, row: float) -> StepCost:
+    cost = StepCost()
+    for rows in (1, 2, 3, 4, 5) * 20:
+        cost.add(rows, base + row * rows)
+    return cost
+
+
+@pytest.mark.parametrize(
+    ("alpha", "batch", "base", "row", "want"),
+    [
+        (1.0, 1, 6.0, 2.0, 8),  # every guess kept: all
+        (0.9, 1, 6.0, 2.0, 8),  # bound 2 / 8 = 0.25: 0.9^13 = 0.25, capped at 8
+        (0.6, 1, 6.0, 2.0, 2),  # 0.6^2 = 0.36 >= 0.25 > 0.6^3
+        (0.2, 1, 6.0, 2.0, 0),  # not even the first
+        (0.9, 16, 6.0, 2.0, 1),  # 16 sequences: bound 32 / 38 = 0.84, 0.9 >= 0.84 > 0.81
+        (0.99, 16, 0.0, 1.0, 0),  # rows are all the step costs: nothing pays
+        (0.5, 16, 38.0, 0.0, 8),  # rows cost nothing (a GPU's small batch): all
+    ],
+)
+def test_guesses_are_verified_while_they_beat_the_steps_own_rate(
+    alpha: float, batch: int, base: float, row: float, want: int
+) -> None:
+    cost = _cost(base, row)
+    assert worth_verifying(alpha, batch, cost, 8) == want
+    if 0 < want < 8:  # the rule itself: alpha^j >= row * batch / step(batch)
+        bound = row * batch / (base + row * batch)
+        assert alpha**want >= bound > alpha ** (want + 1)
+        assert want == math.floor(math.log(bound) / math.log(alpha))
+
+
+def test_limits_and_unknown_costs() -> None:
+    assert worth_verifying(0.9, 1, StepCost(), 5) == 5  # nothing measured yet: try them
+    assert worth_verifying(0.9, 1, _cost(6.0, 2.0), 0) == 0
+    assert worth_verifying(0.0, 1, _cost(6.0, 2.0), 4) == 0
