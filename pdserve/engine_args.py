@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 
 from common.engine.config import EngineConfig
+from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
+
+
+def speculative_config_arg(text: str) -> str:
+    """argparse type of --speculative-config: the JSON, checked now (a bad one is a usage
+    error naming the field, not a worker that fails to start)."""
+    try:
+        SpeculativeConfig.from_json(text)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +90,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="cpp kernels: bits x is quantized to per 32 inputs (default 16; 8 is faster, "
         "as llama.cpp; env PDSERVE_QUANT_ACT_BITS)",
     )
+    group.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; decode workers and "
+        "generate --local speculate, prefill workers ignore it (env PDSERVE_SPECULATIVE_CONFIG)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -101,4 +120,5 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         quant_group_size=args.quant_group_size,
         quant_kernel=args.quant_kernel,
         quant_act_bits=args.quant_act_bits,
+        speculative_config=args.speculative_config,
     )

@@ -117,6 +117,7 @@ class SamplingParams:
             logprobs=pb.logprobs,
             top_logprobs=pb.top_logprobs,
             prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+            speculative=not pb.disable_speculation,
         )
 
     def to_pb(self, pb: Any) -> Any:
@@ -140,6 +141,7 @@ class SamplingParams:
             pb.prompt_logprobs = self.prompt_logprobs
         else:
             pb.ClearField("prompt_logprobs")
+        pb.disable_speculation = not self.speculative
         return pb
 
     @property

@@ -23,6 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="never speculate on these requests (sampling.disable_speculation)",
+    )
     parser.add_argument("--raw", action="store_true", help="no chat template: tokenizer(prompt)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(parser)
@@ -39,6 +44,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        speculative=not args.no_speculation,
     )
 
 

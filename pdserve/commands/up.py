@@ -16,6 +16,7 @@ import grpc
 
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
+from pdserve.engine_args import speculative_config_arg
 from pdserve.launcher import (
     Child,
     RedisSecurity,
@@ -156,6 +157,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quant.add_argument("--quant-kernel", default=None, choices=list(QUANT_KERNELS))
     quant.add_argument("--quant-act-bits", type=int, default=None, choices=[16, 8])
     up.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default=None,
+        help="decode workers speculate (see pdserve decode --help)",
+    )
+    up.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -186,7 +193,7 @@ _WORKER_FLAGS = (
     "blockstore_timeout_s", "lease_ttl_s", "drain_grace_s",
     "expert_load_interval_s", "expert_load_window_s", "expert_load_windows",
 )  # fmt: skip
-_DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s")
+_DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s", "speculative_config")
 
 
 def threads_per_worker(args: argparse.Namespace) -> int | None:

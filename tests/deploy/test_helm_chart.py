@@ -73,6 +73,20 @@ def test_helm_lint_is_clean(variant: str) -> None:
     assert (report["errors"], problems) == ([], [])
 
 
+def test_decode_workers_take_the_speculative_config_as_json() -> None:
+    from common.engine.speculative.config import SpeculativeConfig
+
+    default = render()
+    for role in WORKER_ROLES:
+        assert flag(pdserve_container(default.deployment(role)), "speculative-config") is None
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    rendered = render({"decode": {"speculativeConfig": spec}})
+    text = flag(pdserve_container(rendered.deployment("decode")), "speculative-config")
+    assert text is not None
+    assert SpeculativeConfig.from_json(text) == SpeculativeConfig(**spec)  # type: ignore[arg-type]
+    assert flag(pdserve_container(rendered.deployment("prefill")), "speculative-config") is None
+
+
 @variant_names
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_every_object_matches_the_kubernetes_schema(variant: str, kube_version: str) -> None:
@@ -451,6 +465,10 @@ def test_model_is_converted_into_the_volume_by_an_init_container() -> None:
         {"gpu": {"enabled": "yes"}},
         {"decode": {"attentionBackend": "flash"}},
         {"quantization": "q4_k"},
+        {"decode": {"speculativeConfig": {"method": "eagle", "num_speculative_tokens": 2}}},
+        {"decode": {"speculativeConfig": {"method": "ngram"}}},
+        {"decode": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_mx": 3}}},
         {"gateway": {"routingPolicy": "random"}},
         {"gateway": {"maxMigrations": -1}},
         {"gateway": {"decodeStallTimeoutSeconds": "30s"}},
