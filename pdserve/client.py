@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -30,9 +31,11 @@ class RemoteCompletion:
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    logprobs: list[Any] = field(default_factory=list)  # common.v1.TokenLogprob, if asked
 
 
 class GatewayClient:
@@ -91,10 +94,12 @@ class GatewayClient:
 def collect(result: RemoteCompletion, message: gateway_pb2.GenerateResponse) -> None:
     result.request_id = message.request_id
     result.token_ids += list(message.token_ids)
+    result.logprobs += list(message.logprobs)
     result.text += message.text
     if message.finish_reason:
         result.finish_reason = FINISH_NAMES.get(message.finish_reason, "unspecified")
         result.prompt_tokens = message.usage.prompt_tokens
+        result.completion_tokens = message.usage.completion_tokens
         result.cached_tokens = message.usage.cached_tokens
         result.ttft_ms = message.timings.ttft_ms
         result.total_ms = message.timings.total_ms

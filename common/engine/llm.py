@@ -68,13 +68,14 @@ class LLM:
         while pending:
             for out in self.engine.step():
                 done = completions[out.request_id]
-                done.token_ids += out.new_token_ids
-                done.logprobs += [lp for lp in out.new_logprobs if lp is not None]
+                detok = detoks[out.request_id]
+                done.text += detok.add(out.new_token_ids)
+                taken = detok.num_taken  # a burst may run past a stop string
+                done.token_ids += out.new_token_ids[:taken]
+                done.logprobs += [lp for lp in out.new_logprobs[:taken] if lp is not None]
                 done.num_cached_tokens = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     done.prompt_logprobs = out.prompt_logprobs
-                detok = detoks[out.request_id]
-                done.text += detok.add(out.new_token_ids)
                 if detok.stop_string is not None and not out.finished:
                     self.engine.abort(out.request_id)
                     out.finish_reason = FinishReason.STOP

@@ -36,13 +36,19 @@ class IncrementalDetokenizer:
         self.text = ""  # output text so far (stop string excluded once found)
         self._emitted = 0
         self.stop_string: str | None = None
+        self.num_taken = 0  # tokens of the last add() that belong to the output
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Feeds new tokens; returns the text that became safe to emit."""
+        """Feeds new tokens; returns the text that became safe to emit. ``num_taken`` then
+        says how many of them belong to the output: all, unless a stop string was found,
+        then those up to and including the token that completed it (a burst of several
+        tokens, as a speculating decode worker sends, may run past a stop string)."""
+        self.num_taken = 0
         if self.stop_string is not None:
             return ""
         for token_id in token_ids:
             self._ids.append(token_id)
+            self.num_taken += 1
             self._decode_step()
             if self.stop_string is not None:
                 break

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
+from common.engine.speculative.stats import SpecDecodeStats
 from common.kv.leases import LeaseTable
 from common.telemetry.metrics import (
     TRANSFER_BUCKETS_S,
@@ -47,12 +48,14 @@ class EngineSnapshot:
     stats: EngineStats
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    spec: SpecDecodeStats | None = None  # engines with a --speculative-config
 
 
 def read_snapshot(engine: Engine) -> EngineSnapshot:
     """Engine thread only."""
+    spec = engine.spec_stats.copy() if engine.speculative is not None else None
     return EngineSnapshot(
-        engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens
+        engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens, spec
     )
 
 
@@ -205,4 +208,28 @@ class EngineCollector(Collector):
                   len(self.leases)),
             counter("kv_lease_expiries", "Leases that expired unreleased.",
                     self.leases.num_expired),
+            *self._spec_families(snapshot.spec if snapshot else None, counter),
+        ]  # fmt: skip
+
+    def _spec_families(
+        self, spec: SpecDecodeStats | None, counter: Callable[[str, str, float | None], Metric]
+    ) -> list[Metric]:
+        """vLLM's spec_decode_* counters, for engines that speculate (absent otherwise)."""
+        if spec is None:
+            return []
+        per_position = CounterMetricFamily(
+            metric_name("spec_decode_num_accepted_tokens_per_pos"),
+            "Speculative rounds whose proposal at this position (from 0) was kept.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        return [
+            counter("spec_decode_num_drafts", "Speculative verify rounds (a request, a step).",
+                    spec.num_drafts),
+            counter("spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                    spec.num_draft_tokens),
+            counter("spec_decode_num_accepted_tokens", "Proposed tokens kept.",
+                    spec.num_accepted_tokens),
+            per_position,
         ]  # fmt: skip

@@ -58,9 +58,13 @@ def summarize(samples: Samples) -> dict[str, float]:
         ("kv_cache_usage_perc", "pdserve:kv_cache_usage_perc"),
         ("kv_transfer_bytes", "pdserve:kv_transfer_bytes_total"),
         ("blockstore_blocks", "pdserve:blockstore_blocks"),
+        ("spec_draft_tokens", "pdserve:spec_decode_num_draft_tokens_total"),
+        ("spec_accepted_tokens", "pdserve:spec_decode_num_accepted_tokens_total"),
     ):
         if samples.has(name):
             figures[key] = samples.sum(name)
+    if figures.get("spec_draft_tokens"):  # a speculating decode worker: kept / proposed
+        figures["spec_acceptance_rate"] = figures["spec_accepted_tokens"] / figures["spec_draft_tokens"]
     count = samples.sum("pdserve:time_to_first_token_seconds_count")
     if count:
         figures["ttft_mean_s"] = samples.sum("pdserve:time_to_first_token_seconds_sum") / count
@@ -139,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         blocks = f"{w['kv_blocks_free']}/{w['kv_blocks_total']}" if w["kv_blocks_total"] else "-"
         m: dict[str, float] = w.get("metrics") or {}  # type: ignore[assignment]
         ttft = f"{m['ttft_mean_s'] * 1000:.1f}" if "ttft_mean_s" in m else "-"
-        weights = w["weights"] or ("float" if w["role"] in ("prefill", "decode") else "-")
+        weights = str(w["weights"] or ("float" if w["role"] in ("prefill", "decode") else "-"))
+        if "spec_acceptance_rate" in m:
+            weights += f"  spec accepted {m['spec_acceptance_rate']:.0%}"
         print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {w['pid'] or '-'!s:>7} {blocks:>15} "
               f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
               f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "

@@ -42,7 +42,13 @@ class Relay:
         logprobs: list[Any],
         prompt_logprobs: Sequence[common_pb2.TokenLogprob] = (),
     ) -> gateway_pb2.GenerateResponse:
-        """The next message to the client; ``prompt_logprobs`` travel with the first token."""
+        """The next message to the client; ``prompt_logprobs`` travel with the first token.
+        Tokens past a stop string (a burst can cross one) are dropped here, from the message,
+        the usage and the metrics alike."""
+        text = self.detok.add(token_ids)
+        if self.detok.num_taken < len(token_ids):
+            token_ids = token_ids[: self.detok.num_taken]
+            logprobs = logprobs[: self.detok.num_taken]
         self.generated += token_ids
         if token_ids:
             now = time.monotonic()
@@ -56,7 +62,7 @@ class Relay:
             self.metrics.generation_tokens.inc(len(token_ids))
         return gateway_pb2.GenerateResponse(
             request_id=self.request_id,
-            text=self.detok.add(token_ids),
+            text=text,
             token_ids=token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

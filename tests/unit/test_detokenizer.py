@@ -75,3 +75,30 @@ def test_chat_template_matches_apply_chat_template(tokenizer: Tokenizer) -> None
     )
     assert tokenizer.decode(ids, skip_special_tokens=False) == expected
     assert tokenizer.encode_prompt("Hi there", raw=True) == list(tokenizer.hf("Hi there").input_ids)
+
+
+@pytest.mark.parametrize("burst", [1, 2, 3, 5, 8])
+def test_a_burst_crossing_a_stop_string_takes_tokens_up_to_the_one_completing_it(
+    tokenizer: Tokenizer, burst: int
+) -> None:
+    """A speculating decode worker sends several tokens per message: the text, and how many
+    of the burst's tokens count, are what one token per message gives."""
+    ids = tokenizer.encode_raw(TEXT)
+    one = IncrementalDetokenizer(tokenizer, [], stop=["is a te"])
+    taken_one = []
+    for t in ids:
+        one.add([t])
+        taken_one.append(t)
+        if one.stop_string is not None:
+            break
+    bursts = IncrementalDetokenizer(tokenizer, [], stop=["is a te"])
+    text, taken = "", []
+    for start in range(0, len(ids), burst):
+        chunk = ids[start : start + burst]
+        text += bursts.add(chunk)
+        taken += chunk[: bursts.num_taken]
+        if bursts.stop_string is not None:
+            break
+    assert taken == taken_one
+    assert text + bursts.flush() == TEXT[: TEXT.index("is a te")]
+    assert bursts.add(ids[:3]) == "" and bursts.num_taken == 0  # after the stop: nothing
