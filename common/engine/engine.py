@@ -75,6 +75,8 @@ class RequestOutput:
     # keep_prompt_rows requests, first output only: [P-1, V] float32 log-softmax rows, row i
     # the distribution of prompt token i + 1 given tokens 0..i.
     prompt_logprob_rows: torch.Tensor | None = None
+    # Speculation on this request so far: (verify rounds, proposals verified, kept).
+    spec: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def finished(self) -> bool:
@@ -314,12 +316,16 @@ class Engine:
                 self.spec_stats.record(len(draft), len(emitted) - 1)
                 assert req.spec_acceptance is not None
                 req.spec_acceptance.add(len(draft), len(emitted) - 1)
+                req.num_spec_rounds += 1
+                req.num_spec_proposed += len(draft)
+                req.num_spec_accepted += len(emitted) - 1
                 # What stays computed: the last token's KV and the accepted drafts' (up to a
                 # stop among them); the rest is rolled back, its slots rewritten later.
                 req.num_computed_tokens = min(start + len(emitted), req.num_tokens - 1)
                 self._publish(req)
                 if not finished:
                     self.kv.trim(req)
+            out.spec = (req.num_spec_rounds, req.num_spec_proposed, req.num_spec_accepted)
             out.full_blocks = FullBlocks.join(req.pending_writes)
             req.pending_writes = []
             self._hand_out_prompt_logprobs(req, out)

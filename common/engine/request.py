@@ -124,6 +124,9 @@ class Request:
         # proposer.py), built from verified tokens only.
         self.proposer_state: object = None
         self.spec_acceptance: Acceptance | None = None  # its guesses' kept rate (policy.py)
+        self.num_spec_rounds = 0  # verify steps, proposals verified, proposals kept
+        self.num_spec_proposed = 0
+        self.num_spec_accepted = 0
         self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
 

@@ -336,6 +336,7 @@ class _Stream:
         self.last_at = 0.0
         self.num_generated = 0
         self.cached_tokens = 0
+        self.spec = (0, 0, 0)  # speculation: verify rounds, proposals verified, kept
         self.finish: str | None = None
         self.failure: BaseException | None = None
 
@@ -356,6 +357,8 @@ class _Stream:
             metrics.generation_tokens.inc(len(out.new_token_ids))
         if out.finish_reason is not None:
             self.finish = out.finish_reason.value
+        if out.new_token_ids:
+            self.spec = out.spec
 
     def queue_ms(self, transfer_ms: float) -> float:
         """Waiting time before the first step, less the KV transfer (reported apart)."""
@@ -390,6 +393,16 @@ class _Stream:
                 "pdserve.finish_reason": finish or "error",
             }
         )
+        rounds, proposed, kept = self.spec
+        if rounds:  # a speculating worker: what was proposed and kept for this request
+            span.set_attributes(
+                {
+                    "pdserve.spec.rounds": rounds,
+                    "pdserve.spec.draft_tokens": proposed,
+                    "pdserve.spec.accepted_tokens": kept,
+                    "pdserve.spec.mean_acceptance_length": 1 + kept / rounds,
+                }
+            )
         span.end()
         log.info(
             "decode %s: %s, prompt %d tokens (%d cached, %d imported from %s: %d bytes in "

@@ -9,6 +9,7 @@ max_tokens inside a burst) happens on a tiny random model, which by itself rarel
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,3 +282,168 @@ def test_the_adaptive_policy_verifies_what_pays(
     got, _ = _checked_run(engine, prompts, GREEDY)
     assert got == plain
     assert least * fixed_oracle.proposed <= oracle.proposed <= most * fixed_oracle.proposed
+
+
+def test_a_rejected_round_gives_back_exactly_the_blocks_of_its_rejected_positions(
+    ckpt: Path,
+) -> None:
+    """Block size 16, a prompt of 14: the first decode step holds position 14 (the prompt's
+    last token's row is 13; the first sampled token sits at 14) in block 0; 4 guesses reach
+    positions 15..18, into a second block. All rejected: that block goes back to the pool,
+    and a block is taken again once the sequence really reaches position 16."""
+    (prompt,) = random_prompts(384, [14], seed=9)
+    plain = run_to_completion(tiny_engine(ckpt), {"r": prompt}, GREEDY)
+    oracle = Oracle(plain, {"r": prompt}, miss=1.0)
+    engine = _spec_engine(ckpt, oracle, num_kv_blocks=8)
+    pool = engine.kv.pool
+    engine.add_request("r", prompt, GREEDY)
+    (out,) = engine.step()  # the prefill: one block for 14 tokens, the first token sampled
+    req = engine.requests["r"]
+    first_block = engine.kv.block_ids(req)
+    assert len(first_block) == 1 and pool.num_free == 7 and req.num_tokens == 15
+    seen: list[int] = []
+    allocate = pool.allocate
+
+    def watching(num_blocks: int) -> list:
+        blocks = allocate(num_blocks)
+        seen.extend(b.block_id for b in blocks)
+        return blocks
+
+    pool.allocate = watching  # type: ignore[method-assign]
+    (out,) = engine.step()  # guesses for 15..18: a second block for the verify, all rejected
+    assert len(seen) == 1 and out.new_token_ids == plain["r"][1:2]
+    assert engine.kv.block_ids(req) == first_block and pool.num_free == 7
+    assert req.num_computed_tokens == 15 and req.num_tokens == 16
+    (out,) = engine.step()  # position 16 now needs the second block for real
+    assert engine.kv.block_ids(req) == first_block + seen[1:2] and pool.num_free == 6
+    assert not pool.blocks[seen[0]].ref_count  # the block given back is still free
+    engine.abort("r")
+    assert pool.num_free == pool.num_blocks
+
+
+def test_per_request_counts_add_up_to_the_engines(ckpt: Path) -> None:
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3))
+    last: dict[str, tuple[int, int, int]] = {}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                last[out.request_id] = out.spec
+    stats = engine.spec_stats
+    assert sum(r for r, _, _ in last.values()) == stats.num_drafts
+    assert sum(p for _, p, _ in last.values()) == stats.num_draft_tokens
+    assert sum(a for _, _, a in last.values()) == stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(kv_dtype="int8"),
+        dict(max_num_batched_tokens=24),  # chunked prefill beside verifies
+        dict(enable_prefix_caching=False),
+    ],
+    ids=["int8-kv", "chunked-prefill", "no-prefix-cache"],
+)
+def test_speculation_with_the_engines_other_features(ckpt: Path, overrides: dict) -> None:
+    prompts = _prompts()
+    # A second copy of the first prompt: a prefix-cache hit when caching is on.
+    prompts["again"] = prompts["r0"][:20] + prompts["r1"][:5]
+    plain = run_to_completion(tiny_engine(ckpt, **overrides), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3), **overrides)
+    got, _ = _checked_run(engine, prompts, GREEDY)
+    assert got == plain
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_an_moe_model_speculates_alike(tmp_path: Path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", intermediate_size=128,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                head_dim=32)  # fmt: skip
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3))
+    got, _ = _checked_run(engine, prompts, GREEDY)
+    assert got == plain
+
+
+def test_an_aborted_speculating_request_holds_no_block(ckpt: Path) -> None:
+    prompts = _prompts()
+    plain = run_to_completion(tiny_engine(ckpt), prompts, GREEDY)
+    engine = _spec_engine(ckpt, Oracle(plain, prompts, miss=0.3))
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    for _ in range(5):
+        engine.step()
+    assert engine.spec_stats.num_drafts > 0
+    for rid in prompts:
+        assert engine.abort(rid)
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert not engine.has_unfinished()
+
+
+# The statistical test on a tiny model. A request resumed after a fixed first token samples
+# its second token from its prefill chunk; for the trials whose second token is the likeliest
+# one, t, the third position has a known distribution p (the model's logits after prompt,
+# first, t, under the request's temperature and top-k), and the proposer guesses one fixed
+# token x there. Over TRIALS seeds the third tokens of those trials are counted and compared
+# with p by a chi-square statistic over the top-k support: P(chi2 > 30) for 7 degrees of
+# freedom is 1e-4 for an exact sampler. x is kept about p(x) of the time; a sampler that on
+# rejection drew from p instead of the residual would over-produce x.
+TRIALS, TOP_K, CHI2_BOUND = 3000, 8, 30.0
+
+
+def _next_logits(ckpt: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The logits a request resumed after ``output`` samples its next token from."""
+    probe = tiny_engine(ckpt)
+    rows: list[torch.Tensor] = []
+    sampler = probe.sampler
+
+    def recording(batch: torch.Tensor, requests: list) -> Any:
+        rows.append(batch[0, :384].clone())
+        return sampler(batch, requests)
+
+    probe.sampler = recording  # type: ignore[assignment]
+    probe.add_request("p", prompt, SamplingParams(max_tokens=len(output) + 1, ignore_eos=True),
+                      output_token_ids=output)  # fmt: skip
+    while probe.has_unfinished():
+        probe.step()
+    return rows[0]
+
+
+def test_sampled_tokens_follow_the_targets_distribution_on_a_tiny_model(ckpt: Path) -> None:
+    (prompt,) = random_prompts(384, [12], seed=21)
+    first = 7
+    likeliest = int(_next_logits(ckpt, prompt, [first]).argmax())
+    top = torch.topk(_next_logits(ckpt, prompt, [first, likeliest]), TOP_K)
+    p = torch.softmax(top.values.double(), dim=-1)
+    support = top.indices.tolist()
+    x = support[1]  # the second most likely: rejected often enough to test the residual
+
+    class Fixed:
+        def propose(self, req: Request, num_tokens: int) -> list[int]:
+            return [x] if req.output_token_ids == [first, likeliest] else []
+
+    engine = tiny_engine(ckpt, speculative_config=NGRAM, max_num_seqs=256, num_kv_blocks=1024,
+                         max_waiting=TRIALS)  # fmt: skip
+    engine.proposer = Fixed()  # type: ignore[assignment]
+    sampling = dict(max_tokens=4, temperature=1.0, top_k=TOP_K, ignore_eos=True)
+    for seed in range(TRIALS):
+        engine.add_request(f"s{seed}", prompt, SamplingParams(seed=seed, **sampling),
+                           output_token_ids=[first])  # fmt: skip
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    thirds = [o[1] for o in outputs.values() if o[0] == likeliest]
+    counts = torch.tensor([thirds.count(t) for t in support], dtype=torch.float64)
+    n = len(thirds)
+    assert counts.sum() == n > 500 and engine.spec_stats.num_drafts == n
+    kept = engine.spec_stats.num_accepted_tokens / n
+    assert kept == pytest.approx(float(p[1]), abs=4 * math.sqrt(p[1] * (1 - p[1]) / n))
+    chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+    print(f"n {n}, p {[round(v, 3) for v in p.tolist()]}, kept {kept:.3f} "
+          f"(p(x) {float(p[1]):.3f}), chi2 {chi2:.1f}")  # fmt: skip
+    assert chi2 < CHI2_BOUND
