@@ -124,10 +124,14 @@ class Engine:
             self.runner.num_blocks, self.block_size, config.enable_prefix_caching
         )
         self.speculative = config.speculative
-        self.proposer = proposer_for(self.speculative) if self.speculative else None
+        self.proposer = (
+            proposer_for(self.speculative, config, self.spec.vocab_size)
+            if self.speculative
+            else None
+        )
+        self._proposals: dict[str, list[int]] = {}  # this step's guesses, by request
         self.spec_stats = SpecDecodeStats()
         self.step_cost = StepCost()  # decode steps' milliseconds by rows (speculative policy)
-        self._step_batch = 0
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
             propose=self._propose if self.proposer is not None else None,
@@ -242,6 +246,8 @@ class Engine:
             return False
         self.scheduler.remove(req)
         self.kv.free(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = FinishReason.ABORT
         return True
@@ -253,7 +259,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        self._step_batch = len(self.scheduler.running)
+        if self.proposer is not None:
+            self._prepare_proposals()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         outputs = [self._finish(req) for req in plan.finished]
@@ -344,30 +351,42 @@ class Engine:
         if req.write_behind:
             self._copy_full_blocks(req)
 
-    def _propose(self, req: Request, budget: int) -> list[int]:
-        """Speculative guesses for a decoding request (Scheduler's ``propose``): at most
-        ``num_speculative_tokens``, the step's remaining budget, what max_tokens and the
-        context leave after the token the verify itself yields, and what is worth its
-        rows at this request's kept rate and this machine's step cost (policy.py)."""
+    def _prepare_proposals(self) -> None:
+        """Before the step is scheduled: guesses for every decoding request, each at most
+        ``num_speculative_tokens``, what max_tokens and the context leave after the token
+        the verify itself yields, and what is worth its rows at the request's kept rate
+        and this machine's step cost (policy.py), all from the proposer at once."""
         assert self.proposer is not None and self.speculative is not None
-        if req.prefill_only or not req.sampling.speculative:
-            return []
-        if req.spec_acceptance is None:
-            req.spec_acceptance = Acceptance()
-        limit = min(
-            self.speculative.num_speculative_tokens,
-            budget,
-            req.sampling.max_tokens - req.num_output_tokens - 1,
-            self.max_model_len - req.num_tokens - 1,
-        )
-        if self.speculative.adaptive:
-            limit = worth_verifying(
-                req.spec_acceptance.rate, self._step_batch, self.step_cost, limit
+        running = self.scheduler.running
+        asks: list[tuple[Request, int]] = []
+        for req in running:
+            if req.num_tokens - req.num_computed_tokens != 1 or req.prefill_only:
+                continue
+            if not req.sampling.speculative:
+                continue
+            if req.spec_acceptance is None:
+                req.spec_acceptance = Acceptance()
+            limit = min(
+                self.speculative.num_speculative_tokens,
+                req.sampling.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
             )
-        draft = self.proposer.propose(req, limit) if limit > 0 else []
-        if not draft:
-            req.spec_acceptance.idle()
-        return draft
+            if self.speculative.adaptive:
+                limit = worth_verifying(req.spec_acceptance.rate, len(running), self.step_cost,
+                                        limit)  # fmt: skip
+            if limit > 0:
+                asks.append((req, limit))
+            else:
+                req.spec_acceptance.idle()
+        self._proposals = self.proposer.propose_batch(asks) if asks else {}
+        for req, _ in asks:
+            if not self._proposals.get(req.request_id):
+                assert req.spec_acceptance is not None
+                req.spec_acceptance.idle()
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """The Scheduler's ``propose``: this step's guesses for ``req``, within ``budget``."""
+        return self._proposals.get(req.request_id, [])[:budget]
 
     def _score_prompt(self, item: ScheduledRequest, rows: torch.Tensor) -> None:
         """Turns this chunk's log-softmax rows [m, V] into the request's prompt logprobs
@@ -414,6 +433,8 @@ class Engine:
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.remove(req)
         self.kv.free(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         return RequestOutput(

@@ -50,7 +50,20 @@ def _prompts() -> dict[str, list[int]]:
     return {f"r{i}": p + p[3:15] for i, p in enumerate(prompts)}
 
 
-class Oracle:
+class _Proposer:
+    """A proposer's interface (common/engine/speculative/proposer.py) over ``propose``."""
+
+    def propose(self, req: Request, num_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, asks: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return {req.request_id: self.propose(req, n) for req, n in asks}
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class Oracle(_Proposer):
     """Proposes what the plain run emitted next, each guess replaced by a wrong token with
     probability ``miss``; records what it proposed."""
 
@@ -422,7 +435,7 @@ def test_sampled_tokens_follow_the_targets_distribution_on_a_tiny_model(ckpt: Pa
     support = top.indices.tolist()
     x = support[1]  # the second most likely: rejected often enough to test the residual
 
-    class Fixed:
+    class Fixed(_Proposer):
         def propose(self, req: Request, num_tokens: int) -> list[int]:
             return [x] if req.output_token_ids == [first, likeliest] else []
 

@@ -1,13 +1,21 @@
-"""Proposers: what guesses the next tokens of a decoding request each step.
+"""Proposers: what guesses the next tokens of decoding requests each step.
+
+A proposer has ``propose_batch([(request, at_most), ...]) -> {request_id: guesses}``, called
+once per step for every decoding request the policy lets guess, and ``forget(request_id)``
+when a request ends here.
 
 ``NgramProposer`` (``method: ngram``) looks the request's context up in its own n-gram
 index (ngram.py), kept on the request and fed verified tokens only, so it survives
 preemption and is rebuilt from the tokens wherever the request continues (a migrated
-request needs no proposer state on the wire).
+request needs no proposer state on the wire). ``DraftModelProposer`` (draft.py) runs a
+draft model.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from common.engine.config import EngineConfig
 from common.engine.request import Request
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from common.engine.speculative.ngram import NgramIndex
@@ -27,13 +35,23 @@ class NgramProposer:
         index.extend(req.token_ids[len(index) :])
         return index.propose(num_tokens)
 
-    def forget(self, req: Request) -> None:
-        req.proposer_state = None
+    def propose_batch(self, asks: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return {req.request_id: self.propose(req, limit) for req, limit in asks}
+
+    def forget(self, request_id: str) -> None:
+        pass  # the index lives on the request
 
 
-def proposer_for(config: SpeculativeConfig) -> NgramProposer:
+class Proposer(Protocol):
+    def propose_batch(self, asks: list[tuple[Request, int]]) -> dict[str, list[int]]: ...
+    def forget(self, request_id: str) -> None: ...
+
+
+def proposer_for(config: SpeculativeConfig, target: EngineConfig, vocab_size: int) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
-    raise SpeculativeConfigError(
-        f"speculative method {config.method!r} is not served by this engine yet"
-    )
+    if config.method == "draft_model":
+        from common.engine.speculative.draft import DraftModelProposer
+
+        return DraftModelProposer(config, target, vocab_size)
+    raise SpeculativeConfigError(f"speculative method {config.method!r} is not served here")
