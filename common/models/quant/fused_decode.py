@@ -5,7 +5,7 @@ llama-family model with quantized projections back to back.
 
 Why: on a 135M model a decode step's kernels take a few milliseconds, and Python's dispatch
 of the ~40 small ops around them per layer (module calls, views, slices, the wrappers) took
-about as long again (measured with loadtest/bench_step.py). The C++ model calls the same
+about as long again (measured with py-spy over a decode step; issue 13's note). The C++ model calls the same
 kernels in the same order as the Python path (common/models/llama.py on the cpp backend), so
 its hidden states are bit for bit that path's (tests/kernels/test_fused_decode.py).
 
