@@ -27,6 +27,7 @@ from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from tests.integration.conftest import Stack, up_stack
 from tests.integration.test_decode_migration import assert_nothing_held
+from tests.near_ties import NearTies
 from tests.prompts import passage
 
 pytestmark = pytest.mark.slow
@@ -177,9 +178,11 @@ def test_sigkill_of_a_speculating_decode_worker_loses_and_repeats_nothing(
     assert survivor.metrics_url is not None
     proposed_before = scrape(survivor.metrics_url).sum("pdserve:spec_decode_num_draft_tokens_total")
     got = asyncio.run(run())
-    for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids
-        assert g.text == w.text
+    near_ties = NearTies(spec_stack.model_dir)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        # A migrated stream's tail is recomputed: equal, or parted at a near-tie (shown).
+        if near_ties.check(prompts[i], g.token_ids, w.token_ids, f"stream {i}"):
+            assert g.text == w.text
     assert "decode stream from decode-0 broke" in spec_stack.log_of("gateway")
     # The migrated streams went on speculating on the survivor, and nothing is left held.
     proposed_after = scrape(survivor.metrics_url).sum("pdserve:spec_decode_num_draft_tokens_total")
