@@ -46,7 +46,7 @@ from common.engine.request import (
 from common.engine.sampler import Sampler, prompt_logprob_entries
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledRequest, Scheduler
-from common.engine.speculative.policy import Acceptance, StepCost, worth_verifying
+from common.engine.speculative.policy import Acceptance, StepCost, allocate
 from common.engine.speculative.proposer import proposer_for
 from common.engine.speculative.stats import SpecDecodeStats
 from common.engine.speculative.verify import VerifyRow, accepted
@@ -275,11 +275,9 @@ class Engine:
                 item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
         step = self.runner.execute(plan.scheduled, block_tables)
-        if self.proposer is not None and all(
+        decode_step = self.proposer is not None and all(
             s.num_new_tokens == 1 or s.draft_token_ids for s in plan.scheduled
-        ):  # a decode step: what its rows cost, for the speculative policy
-            ms = (time.perf_counter() - started) * 1000
-            self.step_cost.add(sum(s.num_new_tokens for s in plan.scheduled), ms)
+        )
         logits, sampling = step.logits, step.sampling
         for item in plan.scheduled:
             rows = step.prompt_logprobs.get(item.request.request_id)
@@ -342,6 +340,9 @@ class Engine:
                 self._hold(req)
                 out.finish_reason = FinishReason.PREFILLED
             outputs.append(out)
+        if decode_step:  # what its rows cost, all of the step, for the speculative policy
+            ms = (time.perf_counter() - started) * 1000
+            self.step_cost.add(sum(s.num_new_tokens for s in plan.scheduled), ms)
         return outputs
 
     def _publish(self, req: Request) -> None:
@@ -358,7 +359,7 @@ class Engine:
         and this machine's step cost (policy.py), all from the proposer at once."""
         assert self.proposer is not None and self.speculative is not None
         running = self.scheduler.running
-        asks: list[tuple[Request, int]] = []
+        candidates: list[tuple[Request, int]] = []
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or req.prefill_only:
                 continue
@@ -371,15 +372,15 @@ class Engine:
                 req.sampling.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1,
             )
-            if self.speculative.adaptive:
-                limit = worth_verifying(req.spec_acceptance.rate, len(running), self.step_cost,
-                                        limit)  # fmt: skip
-            if limit > 0:
-                asks.append((req, limit))
-            else:
-                req.spec_acceptance.idle()
+            candidates.append((req, limit))
+        if self.speculative.adaptive:
+            rates = [(req.spec_acceptance.rate if req.spec_acceptance else 0.0, limit)
+                     for req, limit in candidates]  # fmt: skip
+            limits = allocate(rates, len(running), self.step_cost)
+            candidates = [(req, k) for (req, _), k in zip(candidates, limits, strict=True)]
+        asks = [(req, k) for req, k in candidates if k > 0]
         self._proposals = self.proposer.propose_batch(asks) if asks else {}
-        for req, _ in asks:
+        for req, _ in candidates:
             if not self._proposals.get(req.request_id):
                 assert req.spec_acceptance is not None
                 req.spec_acceptance.idle()

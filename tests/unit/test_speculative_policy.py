@@ -88,3 +88,34 @@ def test_limits_and_unknown_costs() -> None:
     assert worth_verifying(0.9, 1, StepCost(), 5) == 5  # nothing measured yet: try them
     assert worth_verifying(0.9, 1, _cost(6.0, 2.0), 0) == 0
     assert worth_verifying(0.0, 1, _cost(6.0, 2.0), 4) == 0
+
+
+def test_measured_row_counts_beat_the_line() -> None:
+    """A cost that is no line (the second row dear, the fifth nearly free, as 4-row tiles
+    make it): the k that saves most time, from each count's own mean."""
+    cost = StepCost()
+    table = {1: 10.0, 2: 14.7, 3: 16.0, 4: 18.0, 5: 18.5}
+    for _ in range(5):
+        for rows, ms in table.items():
+            cost.add(rows, ms)
+    assert [cost.ms(r) for r in table] == pytest.approx(list(table.values()))
+    # alpha 0.5, 10 ms a token: k = 1 saves 5 - 4.7, k = 2 saves 7.5 - 6, k = 3 8.75 - 8,
+    # k = 4 9.375 - 8.5: two guesses.
+    assert worth_verifying(0.5, 1, cost, 4) == 2
+    assert worth_verifying(0.3, 1, cost, 4) == 0  # none pays for its rows
+    assert worth_verifying(0.95, 1, cost, 4) == 4
+
+
+def test_a_batch_grants_its_best_guesses_first_while_rows_pay() -> None:
+    """16 sequences at 6 + 2.2 ms a row (41.2 ms: 2.575 ms a token): a guess must be worth
+    more than 2.2 / 2.575 = 0.854 of a token. Only the near-sure requests guess, and then
+    only while alpha^j stays above that."""
+    from common.engine.speculative.policy import allocate
+
+    cost = _cost(6.0, 2.2)
+    rates = [(0.99, 4), (0.5, 4), (0.95, 4)] + [(0.3, 4)] * 13
+    granted = allocate(rates, 16, cost)
+    assert granted[1] == 0 and all(g == 0 for g in granted[3:])
+    assert granted[0] == 4 and granted[2] == 3  # 0.99^4 = 0.96; 0.95^3 = 0.857, ^4 0.815
+    # One sequence (8.2 ms a token): 2.2 / 8.2 = 0.27, so 0.5 gets 1 (0.5^2 = 0.25).
+    assert allocate(rates, 1, cost)[:3] == [4, 1, 4]

@@ -9,12 +9,15 @@ token per row-cost beats what the step makes anyway, tokens per millisecond:
 
     alpha ** j / row_ms >= batch / step_ms(batch)
 
-so guesses are verified up to ``j = floor(log(row_ms * batch / step_ms) / log(alpha))``
-(capped at ``num_speculative_tokens``). Both sides are measured, not assumed:
+(for a cost linear in the rows, guesses up to ``j = floor(log(row_ms * batch / step_ms) /
+log(alpha))``); in general the guesses of the whole step are granted best first, while a
+guess's expected token at the step's own time per token beats what its row adds
+(``allocate``). Both sides are measured, not assumed:
 
-- ``StepCost`` fits ``step_ms(rows) = base + row_ms * rows`` to the decode steps the engine
-  ran (exponentially weighted least squares, so it follows the machine's drift); until the
-  steps seen span two row counts it takes ``row_ms = PRIOR_ROW_FRACTION * base``.
+- ``StepCost`` keeps the mean milliseconds of each row count of the decode steps the engine
+  ran (exponentially weighted, so it follows the machine's drift), and for counts not yet
+  seen a line fitted to all of them (weighted least squares; until the steps span two row
+  counts, ``row_ms = PRIOR_ROW_FRACTION * base``).
 - ``Acceptance`` is a request's own rate: kept / (kept + rejected) over its rounds (a round
   rejects at most once), exponentially weighted, starting from a prior that lets a new
   request try a few guesses.
@@ -26,7 +29,7 @@ requests stop proposing after a few rounds and decode as if speculation were off
 
 from __future__ import annotations
 
-import math
+import heapq
 from dataclasses import dataclass
 
 # Before the fit has two row counts: an extra row costs this share of a one-row step.
@@ -38,11 +41,17 @@ PRIOR_KEPT, PRIOR_REJECTED = 1.5, 0.5
 
 
 class StepCost:
-    """Milliseconds of a decode step as a line in its row count, fitted as steps run."""
+    """Milliseconds of a decode step by its row count, measured as steps run: the mean of
+    each row count seen at least ``MIN_SEEN`` times (a kernel's cost is not a line: on the
+    test machine the second row costs 0.47 of a one-row step, the fifth almost nothing,
+    its tiles hold 4 rows), else a line fitted to all of them."""
+
+    MIN_SEEN = 3
 
     def __init__(self, decay: float = DECAY) -> None:
         self.decay = decay
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._by_rows: dict[int, tuple[float, int]] = {}  # rows -> (mean ms, times seen)
 
     def add(self, rows: int, ms: float) -> None:
         keep = 1.0 - self.decay
@@ -51,6 +60,9 @@ class StepCost:
         self._y = self._y * keep + ms
         self._xx = self._xx * keep + rows * rows
         self._xy = self._xy * keep + rows * ms
+        mean, seen = self._by_rows.get(rows, (ms, 0))
+        weight = max(self.decay, 1.0 / (seen + 1))
+        self._by_rows[rows] = (mean + (ms - mean) * weight, seen + 1)
 
     @property
     def known(self) -> bool:
@@ -70,6 +82,9 @@ class StepCost:
         return one_row * (1.0 - PRIOR_ROW_FRACTION), one_row * PRIOR_ROW_FRACTION
 
     def ms(self, rows: int) -> float:
+        mean, seen = self._by_rows.get(rows, (0.0, 0))
+        if seen >= self.MIN_SEEN:
+            return mean
         base, row = self.line()
         return base + row * rows
 
@@ -98,20 +113,41 @@ class Acceptance:
         return self.kept / (self.kept + self.rejected)
 
 
-def worth_verifying(alpha: float, batch: int, cost: StepCost, limit: int) -> int:
-    """Guesses worth verifying for a request kept at rate ``alpha`` in a step of ``batch``
-    sequences (module docstring), at most ``limit``."""
-    if limit <= 0 or alpha <= 0.0:
-        return 0
+def allocate(asks: list[tuple[float, int]], batch: int, cost: StepCost) -> list[int]:
+    """Guesses worth verifying this step for each request, from (its kept rate alpha, at
+    most this many) and the step's ``batch`` sequences. Guess j of a request yields alpha^j
+    tokens, each worth what the step spends per token, step_ms(batch) / batch; guesses are
+    granted best first while that beats the next row's cost, step_ms(rows + 1) - step_ms
+    (rows), at the rows granted so far: a large compute-bound batch, whose rows all cost,
+    verifies only its near-certain guesses."""
+    granted = [0] * len(asks)
+    if not asks:
+        return granted
     if not cost.known:
-        return limit
-    _, row_ms = cost.line()
-    step_ms = cost.ms(max(batch, 1))
-    if row_ms <= 0.0 or step_ms <= 0.0:
-        return limit
-    bound = row_ms * max(batch, 1) / step_ms  # alpha ** j must reach this
-    if bound >= 1.0:
-        return 0
-    if alpha >= 1.0:
-        return limit
-    return max(0, min(limit, math.floor(math.log(bound) / math.log(alpha))))
+        return [max(0, limit) for _, limit in asks]
+    batch = max(batch, 1)
+    step_ms = cost.ms(batch)
+    if step_ms <= 0.0:
+        return [max(0, limit) for _, limit in asks]
+    per_token = step_ms / batch
+    # (-value of the request's next guess, request): a request's guesses are worth less
+    # and less, so each is granted a prefix.
+    heap = [(-alpha, i) for i, (alpha, limit) in enumerate(asks) if alpha > 0.0 and limit > 0]
+    heapq.heapify(heap)
+    rows = batch
+    while heap:
+        value, i = heap[0]
+        if -value * per_token < cost.ms(rows + 1) - cost.ms(rows):
+            break
+        heapq.heappop(heap)
+        granted[i] += 1
+        rows += 1
+        alpha, limit = asks[i]
+        if granted[i] < limit:
+            heapq.heappush(heap, (value * alpha, i))
+    return granted
+
+
+def worth_verifying(alpha: float, batch: int, cost: StepCost, limit: int) -> int:
+    """``allocate`` for one request."""
+    return allocate([(alpha, limit)], batch, cost)[0]
