@@ -21,7 +21,8 @@ from common.engine.config import EngineConfig
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 
-# Transformers' own logit gap at a part must be under this (logits span about 30).
+# The engine's own logit gap (same weight format, in this process) between the two runs'
+# tokens at a part must be under this (logits span about 30).
 NEAR_TIE = 0.01
 
 
