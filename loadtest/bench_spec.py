@@ -20,6 +20,9 @@ Run it on a quiet machine:
 
     .venv/bin/python -m loadtest.bench_spec [--threads 2] [--rounds 3] [--max-tokens 128]
         [--speculative-config JSON] [--concurrency 1,16] [--json out.json]
+    # self-speculation: the float32 target drafted by its own GGUF
+    .venv/bin/python -m loadtest.bench_spec --quantization none --workloads chat \
+        --speculative-config '{"method": "draft_model", "model": "'$HOME/.cache/pdserve/models/SmolLM2-135M-Instruct'", "quantization": "gguf", "num_speculative_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -131,12 +134,18 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--speculative-config", default=DEFAULT_SPEC)
     parser.add_argument("--workloads", default="copy,chat")
+    parser.add_argument(
+        "--quantization", default=None,
+        help="the target's weight format (default: auto); with a draft_model config in "
+        "another format, self-speculation, e.g. none drafted by gguf",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write every round's figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = str(default_model_dir())
-    none = LLM(EngineConfig(model=model, num_threads=args.threads))
-    spec = LLM(EngineConfig(model=model, num_threads=args.threads,
+    quant = {"quantization": args.quantization} if args.quantization else {}
+    none = LLM(EngineConfig(model=model, num_threads=args.threads, **quant))
+    spec = LLM(EngineConfig(model=model, num_threads=args.threads, **quant,
                             speculative_config=args.speculative_config))  # fmt: skip
     workloads = {"copy": copy_prompts, "chat": chat_prompts}
     concurrencies = [int(c) for c in args.concurrency.split(",")]

@@ -275,8 +275,10 @@ class Engine:
                 item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
         step = self.runner.execute(plan.scheduled, block_tables)
-        decode_step = self.proposer is not None and all(
-            s.num_new_tokens == 1 or s.draft_token_ids for s in plan.scheduled
+        decode_step = (
+            self.proposer is not None
+            and not getattr(self.proposer, "cold", False)  # a draft's prompt prefill: no
+            and all(s.num_new_tokens == 1 or s.draft_token_ids for s in plan.scheduled)
         )
         logits, sampling = step.logits, step.sampling
         for item in plan.scheduled:

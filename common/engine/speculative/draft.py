@@ -66,6 +66,9 @@ class DraftModelProposer:
         # last round's guesses) and how many of them its KV holds.
         self.sequences: dict[str, Request] = {}
         self.num_forward_tokens = 0
+        # The last round built some sequence's KV from its prompt: its time says nothing
+        # about what guesses cost (the engine leaves such a step out of its step costs).
+        self.cold = False
         log.info("draft model %s (%s) guesses up to %d tokens", config.model,
                  self.runner.weight_format.describe(), config.num_speculative_tokens)  # fmt: skip
 
@@ -74,6 +77,7 @@ class DraftModelProposer:
         one step computes every sequence's new verified tokens and its first guess, then
         one step per further guess."""
         wanted: dict[str, int] = {}
+        self.cold = False
         for req, limit in asks:
             if limit > 0 and req.num_tokens + limit < self.max_model_len:
                 seq = self._sync(req)
@@ -114,6 +118,7 @@ class DraftModelProposer:
         if seq is None:
             seq = Request(req.request_id, list(req.token_ids), _GREEDY)
             self.sequences[req.request_id] = seq
+            self.cold = True
             return seq
         verified = req.token_ids
         same = 0
