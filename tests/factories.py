@@ -109,6 +109,26 @@ def tiny_engine(model_dir: Path | str, **overrides: Any) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), **params))
 
 
+def next_logits(engine: Engine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The logits [V'] that a request resumed after ``output`` samples its next token from."""
+    rows: list[torch.Tensor] = []
+    sampler = engine.sampler
+
+    def recording(batch: torch.Tensor, requests: list) -> Any:
+        rows.append(batch[0].clone())
+        return sampler(batch, requests)
+
+    engine.sampler = recording  # type: ignore[assignment]
+    try:
+        sampling = SamplingParams(max_tokens=len(output) + 1, ignore_eos=True)
+        engine.add_request("next-logits", prompt, sampling, output_token_ids=output)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.sampler = sampler
+    return rows[0]
+
+
 def run_to_completion(
     engine: Engine, prompts: dict[str, list[int]], sampling: SamplingParams, **add_kwargs: Any
 ) -> dict[str, list[int]]:

@@ -13,13 +13,10 @@ and prints it; it never lets a real divergence through.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
+from tests.factories import next_logits
 
 # The engine's own logit gap (same weight format, in this process) between the two runs'
 # tokens at a part must be under this (logits span about 30).
@@ -35,23 +32,8 @@ class NearTies:
 
     def margin(self, prompt_ids: list[int], prefix: list[int], a: int, b: int) -> float:
         """|logit(a) - logit(b)| for the token after ``prompt_ids + prefix``."""
-        engine = self.llm.engine
-        rows: list[torch.Tensor] = []
-        sampler = engine.sampler
-
-        def recording(batch: torch.Tensor, requests: list) -> Any:
-            rows.append(batch[0].clone())
-            return sampler(batch, requests)
-
-        engine.sampler = recording  # type: ignore[assignment]
-        try:
-            engine.add_request("near-tie", prompt_ids, SamplingParams(
-                max_tokens=len(prefix) + 1, ignore_eos=True), output_token_ids=prefix)  # fmt: skip
-            while engine.has_unfinished():
-                engine.step()
-        finally:
-            engine.sampler = sampler
-        return abs(float(rows[0][a] - rows[0][b]))
+        logits = next_logits(self.llm.engine, prompt_ids, prefix)
+        return abs(float(logits[a] - logits[b]))
 
     def check(self, prompt: str, got: list[int], want: list[int], what: object) -> bool:
         """True if the outputs are equal; False if they part at a near-tie (printed);

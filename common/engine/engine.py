@@ -277,7 +277,7 @@ class Engine:
         step = self.runner.execute(plan.scheduled, block_tables)
         decode_step = (
             self.proposer is not None
-            and not getattr(self.proposer, "cold", False)  # a draft's prompt prefill: no
+            and not self.proposer.cold
             and all(s.num_new_tokens == 1 or s.draft_token_ids for s in plan.scheduled)
         )
         logits, sampling = step.logits, step.sampling

@@ -234,7 +234,8 @@ class ModelRunner:
         )
         batch = _to_device(batch, self.device)
         metadata = self.backend.prepare(batch, S)
-        with self._row_paths(ordered):
+        dense = self._dense_rows(ordered)
+        with dense_rows(dense) if dense is not None else contextlib.nullcontext():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -258,14 +259,16 @@ class ModelRunner:
                 num_rows = 1 + len(item.draft_token_ids)
                 last_index.extend(range(offset - num_rows, offset))
         index = torch.tensor(last_index, dtype=torch.long, device=self.device)
-        with self._row_paths(ordered):  # the sampled rows: the packed head, in any batch
+        # The sampled rows: the packed head, in any batch.
+        with dense_rows(dense) if dense is not None else contextlib.nullcontext():
             logits = self.model.compute_logits(hidden[index])
         return StepLogits(logits, sampling, prompt_logprobs)
 
-    def _row_paths(self, ordered: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
-        """Marks the step's rows that take quantized weights' dense path (module docstring)."""
+    def _dense_rows(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
+        """bool [T]: the step's rows that take quantized weights' dense path (module
+        docstring); None for weights with one path."""
         if not self.weight_format.quantized or self.weight_format.kernel != "cpp":
-            return contextlib.nullcontext()
+            return None
         dense: list[bool] = []
         chunks_can_be_dense = self.config.max_num_batched_tokens >= DENSE_MIN_ROWS
         for item in ordered:
@@ -275,7 +278,7 @@ class ModelRunner:
             if chunks_can_be_dense and req.num_prompt_tokens >= DENSE_MIN_ROWS:
                 num_dense = min(n, max(0, req.num_prompt_tokens - req.num_computed_tokens))
             dense.extend([True] * num_dense + [False] * (n - num_dense))
-        return dense_rows(torch.tensor(dense, dtype=torch.bool))
+        return torch.tensor(dense, dtype=torch.bool)
 
     def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[m, H] hidden states -> [m, V] float32 log-softmax of their logits over the vocab

@@ -112,7 +112,7 @@ class Scheduler:
             if self.propose is not None and req.num_tokens - req.num_computed_tokens == 1:
                 draft = self.propose(req, budget - 1) if budget > 1 else []
                 # Short of blocks for the guesses: verify nothing rather than preempt.
-                if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+                if draft and not self.kv.can_allocate(req, 1 + len(draft)):
                     draft = []
                 num_new += len(draft)
             while not self.kv.allocate_slots(req, num_new):

@@ -5,7 +5,6 @@ stays off where it does not apply."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,10 @@ from common.engine.sampling_params import SamplingParams
 from kernels.cpu import available
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 
-pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", dict(intermediate_size=128, tie_word_embeddings=True)),
@@ -26,14 +28,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("mistral", dict(intermediate_size=128, sliding_window=24)),
 }
 QUANTIZATIONS = [("int4", 16), ("int8", 16), ("int4", 8)]  # (format, activation bits)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

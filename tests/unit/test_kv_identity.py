@@ -17,14 +17,13 @@ import asyncio
 import functools
 import hashlib
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import cbor2
 import grpc
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from common.engine.config import EngineConfig
@@ -36,17 +35,10 @@ from common.rpc.errors import reason_of
 from services.gateway.routing import LOCAL_PREFILL_SHORT, NO_PREFILL_WORKER, Router
 from tests.factories import make_tiny_checkpoint, run_to_completion, tiny_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = list(range(3, 56))  # 53 tokens: 3 full blocks of 16 and a partial one
 INT4 = "int4-g32/a16"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny engines: one thread (a second on a busy 2-core machine only adds waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

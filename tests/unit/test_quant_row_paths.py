@@ -11,7 +11,6 @@ round that 1 ulp to a code apart, so there the logits stay close (measured 3.5e-
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +24,15 @@ from common.models.quant.linear import DENSE_MIN_ROWS
 from kernels.cpu import available
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 
-pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 LONG = DENSE_MIN_ROWS + 12  # a prompt whose tokens take the dense path
 SHORT = 10
 STEPS = 12
 GREEDY = SamplingParams(max_tokens=STEPS, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])

@@ -35,7 +35,6 @@ checks those experts directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,8 @@ from common.models.quant.load import weight_bytes
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import available
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Every input width a multiple of 64 (the factories' default intermediate size, 112, is no
 # multiple of the int4 group nor of the C++ kernels' 32).
@@ -92,17 +93,6 @@ NEW_TOKENS = 6
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 needs_cpp = pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models: one thread. Two threads on a busy 2-core machine made every parallel
-    region of these microsecond-sized ops wait on a descheduled thread (measured: a tiny
-    MoE's forced-greedy pass 7.3 s with 2 threads, 0.06 s with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

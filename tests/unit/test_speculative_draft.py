@@ -5,12 +5,10 @@ guess from scratch, and the target's output unchanged whatever the draft."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from common.engine.engine import Engine
 from common.engine.request import Request
@@ -19,15 +17,9 @@ from common.engine.speculative.config import SpeculativeConfigError
 from common.engine.speculative.draft import DraftModelProposer
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +22,19 @@ from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.speculative.policy import StepCost
 from common.kv.hashing import hash_prompt_blocks
-from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
+from tests.factories import (
+    make_tiny_checkpoint,
+    next_logits,
+    random_prompts,
+    run_to_completion,
+    tiny_engine,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}'
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +51,8 @@ def _prompts() -> dict[str, list[int]]:
 
 class _Proposer:
     """A proposer's interface (common/engine/speculative/proposer.py) over ``propose``."""
+
+    cold = False
 
     def propose(self, req: Request, num_tokens: int) -> list[int]:
         raise NotImplementedError
@@ -408,29 +409,11 @@ def test_an_aborted_speculating_request_holds_no_block(ckpt: Path) -> None:
 TRIALS, TOP_K, CHI2_BOUND = 3000, 8, 30.0
 
 
-def _next_logits(ckpt: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """The logits a request resumed after ``output`` samples its next token from."""
-    probe = tiny_engine(ckpt)
-    rows: list[torch.Tensor] = []
-    sampler = probe.sampler
-
-    def recording(batch: torch.Tensor, requests: list) -> Any:
-        rows.append(batch[0, :384].clone())
-        return sampler(batch, requests)
-
-    probe.sampler = recording  # type: ignore[assignment]
-    probe.add_request("p", prompt, SamplingParams(max_tokens=len(output) + 1, ignore_eos=True),
-                      output_token_ids=output)  # fmt: skip
-    while probe.has_unfinished():
-        probe.step()
-    return rows[0]
-
-
 def test_sampled_tokens_follow_the_targets_distribution_on_a_tiny_model(ckpt: Path) -> None:
     (prompt,) = random_prompts(384, [12], seed=21)
     first = 7
-    likeliest = int(_next_logits(ckpt, prompt, [first]).argmax())
-    top = torch.topk(_next_logits(ckpt, prompt, [first, likeliest]), TOP_K)
+    likeliest = int(next_logits(tiny_engine(ckpt), prompt, [first])[:384].argmax())
+    top = torch.topk(next_logits(tiny_engine(ckpt), prompt, [first, likeliest])[:384], TOP_K)
     p = torch.softmax(top.values.double(), dim=-1)
     support = top.indices.tolist()
     x = support[1]  # the second most likely: rejected often enough to test the residual

@@ -1,8 +1,8 @@
 """Proposers: what guesses the next tokens of decoding requests each step.
 
 A proposer has ``propose_batch([(request, at_most), ...]) -> {request_id: guesses}``, called
-once per step for every decoding request the policy lets guess, and ``forget(request_id)``
-when a request ends here.
+once per step for every decoding request the policy lets guess, ``forget(request_id)``
+when a request ends here, and ``cold`` (see ``Proposer``).
 
 ``NgramProposer`` (``method: ngram``) looks the request's context up in its own n-gram
 index (ngram.py), kept on the request and fed verified tokens only, so it survives
@@ -22,6 +22,8 @@ from common.engine.speculative.ngram import NgramIndex
 
 
 class NgramProposer:
+    cold = False  # a lookup costs the same every round
+
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.method == "ngram", config.method
         self.min_n = config.prompt_lookup_min
@@ -43,6 +45,10 @@ class NgramProposer:
 
 
 class Proposer(Protocol):
+    # True after a round whose time is no guide to what guesses cost (a draft that built
+    # a sequence's KV from its prompt): the engine leaves that step out of its step costs.
+    cold: bool
+
     def propose_batch(self, asks: list[tuple[Request, int]]) -> dict[str, list[int]]: ...
     def forget(self, request_id: str) -> None: ...
 
