@@ -324,3 +324,17 @@ def test_unknown_tensor_names_are_refused() -> None:
     assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
     assert hf_name("output.weight") == "lm_head.weight"
+
+
+def test_a_dangling_link_to_the_file_says_how_to_mend_it(tmp_path: Path) -> None:
+    """A checkpoint directory links to its GGUF; when the environment that held the file is
+    removed, the engine names the link and the command that rebuilds it (not an OSError)."""
+    from common.models.quant.gguf import find_gguf
+
+    gone = tmp_path / "removed-venv" / "model.gguf"
+    (tmp_path / "model.gguf").symlink_to(gone)
+    with pytest.raises(GgufError, match=r"model\.gguf links to .*removed-venv.*pdserve convert"):
+        find_gguf(tmp_path)
+    gone.parent.mkdir()
+    gone.write_bytes(b"")
+    assert find_gguf(tmp_path) == tmp_path / "model.gguf"

@@ -78,7 +78,14 @@ def find_gguf(model: str | Path) -> Path | None:
         files = sorted(path.glob(f"*{SUFFIX}"))
         if len(files) > 1:
             raise GgufError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)})")
-        return files[0] if files else None
+        if not files:
+            return None
+        if not files[0].exists():
+            raise GgufError(
+                f"{files[0]} links to {files[0].readlink()}, which is gone (the environment "
+                "that held it was removed); run `pdserve convert` or pass --model FILE.gguf"
+            )
+        return files[0]
     return None
 
 
