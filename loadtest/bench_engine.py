@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.models.default_model import resolve_model
 
 

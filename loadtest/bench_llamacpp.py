@@ -266,9 +266,9 @@ def engine_single_stream(
     """Decode tok/s over ``output_len`` tokens after an ``input_len``-token prompt (the
     first token, from the prefill, is not counted), and prefill tok/s of a
     ``prefill_len``-token prompt (add_request to the first token), medians of ``reps``."""
+    from common.contract.sampling import SamplingParams
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
-    from common.engine.sampling_params import SamplingParams
     from loadtest.datasets.base import TokenSource
 
     start = time.perf_counter()
@@ -432,7 +432,7 @@ def gateway_counters(target: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def pdserve_prompt_tokens(target: str, prompt: Sequence[int]) -> int:
-    from common.engine.sampling_params import SamplingParams
+    from common.contract.sampling import SamplingParams
     from pdserve.client import GatewayClient
 
     async def ask() -> int:

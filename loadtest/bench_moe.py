@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from common.contract.model_spec import ModelSpec, MoeSpec, RopeSpec
 from common.models.moe import SparseMoeBlock
-from common.models.spec import ModelSpec, MoeSpec, RopeSpec
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
 from common.models.default_model import default_model_dir
 from tests.prompts import QUESTIONS, passage
 

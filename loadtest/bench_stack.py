@@ -62,7 +62,7 @@ def workload(num: int, vocab: int, seed: int, prompt_len: int) -> list[list[int]
 async def stack_run(
     target: str, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> list[Sample]:
-    from common.engine.sampling_params import SamplingParams
+    from common.contract.sampling import SamplingParams
     from pdserve.client import GatewayClient
 
     client = GatewayClient(target)
@@ -98,8 +98,8 @@ async def stack_run(
 def engine_run(
     engine: object, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> list[Sample]:
+    from common.contract.sampling import SamplingParams
     from common.engine.engine import Engine
-    from common.engine.sampling_params import SamplingParams
 
     assert isinstance(engine, Engine)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.rpc.channels import create_channel
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc

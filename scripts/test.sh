@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system
 .venv/bin/ruff check .
 .venv/bin/mypy
+.venv/bin/lint-imports  # the layer rules in pyproject.toml ([tool.importlinter])
 bash scripts/gen_protos.sh --check
 bash scripts/buf_lint.sh
 .venv/bin/pdserve --log-level WARNING convert >/dev/null  # the default model, once

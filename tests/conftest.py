@@ -9,6 +9,16 @@ import torch
 torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``stack`` on every test under tests/integration (each starts real processes, most a
+    whole ``pdserve up`` with its redis-server), so ``pytest -m "not stack"`` is the quick
+    loop; ``redis`` and ``gpu`` are marked where the tests are."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.stack)
+            item.add_marker(pytest.mark.redis)
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The default model's safetensors checkpoint (converted once into $PDSERVE_CACHE)."""

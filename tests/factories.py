@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 
 # Tiny shapes per family; initializer_range is large so logits are far from ties.
 TINY_BASE: dict[str, Any] = dict(

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.contract.model_spec import ModelSpec, load_spec
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.kv_manager import KVCacheManager
 from common.engine.model_runner import ModelRunner
@@ -44,7 +46,6 @@ from common.engine.request import (
     TokenLogprob,
 )
 from common.engine.sampler import Sampler, prompt_logprob_entries
-from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledRequest, Scheduler
 from common.engine.speculative.policy import Acceptance, StepCost, allocate
 from common.engine.speculative.proposer import proposer_for
@@ -53,7 +54,6 @@ from common.engine.speculative.verify import VerifyRow, accepted
 from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from common.experts.counts import ExpertCounts
 from common.kv.hashing import BlockHash, hash_prompt_blocks
-from common.models.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
 

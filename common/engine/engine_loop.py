@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine, RequestOutput
-from common.engine.sampling_params import SamplingParams
 from common.errors import PdserveError
 
 log = logging.getLogger(__name__)

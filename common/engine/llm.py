@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, TokenLogprob
-from common.engine.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from common.contract.model_spec import ModelSpec
 from common.engine.attention import AttentionBatch, LayerKV, select_backend
 from common.engine.attention.base import QUANTIZED_KV_DTYPES
 from common.engine.attention.torch_kv import new_kv_scales
@@ -35,7 +36,6 @@ from common.models.quant.formats import resolve_weight_format
 from common.models.quant.fused_decode import FusedDecoder
 from common.models.quant.linear import DENSE_MIN_ROWS, dense_rows
 from common.models.quant.load import weight_bytes
-from common.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

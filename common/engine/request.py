@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.engine.speculative.policy import Acceptance
 from common.kv.hashing import BlockHash, extra_keys_for, hash_block, root_hash
 

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.request import TokenLogprob
-from common.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from common.models.gguf_dir import link_gguf, prepare_checkpoint_dir
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -52,8 +54,6 @@ def is_converted(target: Path | None = None) -> bool:
 
 
 def _link_source(target: Path) -> None:
-    from common.models.quant.gguf import link_gguf
-
     link_gguf(target, gguf_path())
 
 
@@ -118,8 +118,6 @@ def resolve_model(model: str | None) -> str:
     if model:
         path = Path(model).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            from common.models.quant.gguf import prepare_checkpoint_dir
-
             return str(prepare_checkpoint_dir(path, cache_dir()))
         if not path.is_dir():
             raise FileNotFoundError(

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from common.contract.model_spec import ModelSpec
 from common.engine.attention import AttentionBackend, LayerKV
 from common.models.layers import RMSNorm, ShardedLinear, ShardedParams, silu_and_mul
 from common.models.rope import cos_sin_table
-from common.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from common.models.moe import ExpertLoadRecorder

@@ -9,16 +9,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.engine.attention import AttentionBackend
-from common.models.llama import LlamaForCausalLM
-from common.models.moe import MoeForCausalLM
-from common.models.quant.formats import WeightFormat
-from common.models.spec import (
+from common.contract.model_spec import (
     LLAMA_FAMILY,
     MOE_FAMILY,
     ModelSpec,
     UnsupportedModelError,
 )
+from common.engine.attention import AttentionBackend
+from common.models.llama import LlamaForCausalLM
+from common.models.moe import MoeForCausalLM
+from common.models.quant.formats import WeightFormat
 
 # Every model class is a LlamaForCausalLM: the MoE ones replace the MLP of sparse layers.
 CausalLM = LlamaForCausalLM

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.contract.model_spec import ModelSpec, MoeSpec
 from common.engine.attention import AttentionBackend
 from common.experts.counts import DECODE, PREFILL, ExpertCounts
 from common.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from common.models.quant.linear import row_subset
-from common.models.spec import ModelSpec, MoeSpec
 
 
 class ExpertLoadRecorder:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from common.models.spec import RopeSpec
+from common.contract.model_spec import RopeSpec
 
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:

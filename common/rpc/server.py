@@ -7,14 +7,18 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from common.heap import freeze_startup_heap
 from common.rpc.malformed import MalformedRequestInterceptor
 from common.rpc.options import SERVER_OPTIONS
+from common.telemetry.metrics import process_registry, start_metrics_server
+from common.telemetry.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +141,44 @@ async def serve_until_signal(
             await result
     waiter.cancel()
     stopper.cancel()
+
+
+@dataclass
+class Started:
+    """What a service's start-up hands to ``serve_process``: its server, what stops the rest
+    of it, an optional drain that runs while the server still serves, and the line printed
+    once it serves (``pdserve up`` and people read it)."""
+
+    server: Server
+    on_stop: Callable[[], object] | None = None
+    drain: Callable[[float], Awaitable[None]] | None = None
+    banner: str | None = None
+
+
+async def serve_process(
+    role: str,
+    instance_id: str | None,
+    host: str,
+    metrics_port: int,
+    drain_grace_s: float,
+    start: Callable[[CollectorRegistry], Awaitable[Started]],
+) -> None:
+    """A service process from start to exit, the same for every role: tracing from OTEL_*,
+    metrics at ``metrics_port`` (0: none), ``start(registry)``, then ``serve_until_signal``;
+    the metrics endpoint and the tracer are shut down on every way out."""
+    tracing = setup_tracing(role, instance_id)
+    registry = process_registry()
+    metrics_server = None
+    try:
+        if metrics_port:
+            metrics_server = start_metrics_server(host, metrics_port, registry)
+        started = await start(registry)
+        if started.banner:
+            print(started.banner, flush=True)
+        await serve_until_signal(
+            started.server, drain_grace_s, on_stop=started.on_stop, drain=started.drain
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()

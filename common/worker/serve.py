@@ -18,9 +18,7 @@ from prometheus_client import CollectorRegistry
 from common.engine.engine import Engine
 from common.kv.transfer import KvTransferServicer
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
-from common.rpc.server import Server, create_server, serve_until_signal
-from common.telemetry.metrics import process_registry, start_metrics_server
-from common.telemetry.tracing import setup_tracing
+from common.rpc.server import Server, Started, create_server, serve_process
 from common.worker.config import WorkerConfig
 from common.worker.runtime import WorkerRuntime
 from pdserve.kv.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -81,24 +79,18 @@ async def drain_worker(runtime: WorkerRuntime, grace_s: float) -> None:
 
 
 async def serve_worker(config: WorkerConfig, add_servicers: AddServicers) -> None:
-    """The worker process: tracing from OTEL_*, metrics at --metrics-port, until SIGTERM."""
-    tracing = setup_tracing(config.role, config.worker_id)
-    metrics_registry = process_registry()
-    metrics_server = None
-    try:
-        if config.metrics_port:
-            metrics_server = start_metrics_server(
-                config.host, config.metrics_port, metrics_registry
-            )
-        server, runtime = await start_worker(config, add_servicers, metrics_registry)
-        print(f"{config.role} worker {runtime.worker_id} serving at {runtime.address}", flush=True)
-        await serve_until_signal(
+    """The worker process (common/rpc/server.py's serve_process), until SIGTERM."""
+
+    async def started(registry: CollectorRegistry) -> Started:
+        server, runtime = await start_worker(config, add_servicers, registry)
+        return Started(
             server,
-            config.drain_grace_s,
             on_stop=runtime.stop,
             drain=lambda grace_s: drain_worker(runtime, grace_s),
+            banner=f"{config.role} worker {runtime.worker_id} serving at {runtime.address}",
         )
-    finally:
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
+
+    await serve_process(
+        config.role, config.worker_id, config.host, config.metrics_port, config.drain_grace_s,
+        started,
+    )  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.rpc.channels import create_channel
 from loadtest.backends.base import Backend, RequestOutput, SendOptions
 from loadtest.datasets.base import SampleRequest

@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from pdserve.client import add_client_args, client_from_args
 
 

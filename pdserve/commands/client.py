@@ -9,7 +9,7 @@ import sys
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from pdserve.client import RemoteCompletion, client_from_args, collect
 
 

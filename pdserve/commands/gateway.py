@@ -177,7 +177,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.gateway.server import serve
+    from services.gateway.server import keep_torch_out, serve
 
-    asyncio.run(serve(config_from_args(args)))
+    config = config_from_args(args)  # may convert the default model first (that needs torch)
+    keep_torch_out()
+    asyncio.run(serve(config))
     return 0

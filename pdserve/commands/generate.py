@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from pdserve.client import add_client_args
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 

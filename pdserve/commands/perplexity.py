@@ -228,7 +228,7 @@ def _llm(
 
 
 def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[str, Any]:
-    from common.models.spec import load_spec
+    from common.contract.model_spec import load_spec
     from common.text.tokenizer import Tokenizer
 
     spec = load_spec(model_dir)
@@ -271,7 +271,7 @@ def _score_remote(args: argparse.Namespace, model_dir: str, text: str) -> dict[s
 async def _score_remote_async(
     args: argparse.Namespace, model_dir: str, text: str
 ) -> dict[str, Any]:
-    from common.engine.sampling_params import SamplingParams
+    from common.contract.sampling import SamplingParams
     from common.text.tokenizer import Tokenizer
     from pdserve.client import GatewayClient
     from pdserve.gateway.v1 import gateway_pb2

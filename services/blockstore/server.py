@@ -19,9 +19,7 @@ from prometheus_client import CollectorRegistry
 from common.index import redis_client
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
-from common.rpc.server import Server, create_server, serve_until_signal
-from common.telemetry.metrics import process_registry, start_metrics_server
-from common.telemetry.tracing import setup_tracing
+from common.rpc.server import Server, Started, create_server, serve_process
 from pdserve.kv.v1 import block_store_pb2_grpc
 from services.blockstore.config import BlockStoreConfig
 from services.blockstore.index_sync import IndexSync
@@ -188,19 +186,12 @@ async def start(
 
 
 async def serve(config: BlockStoreConfig) -> None:
-    """The block store process: tracing from OTEL_*, metrics at --metrics-port, until
-    SIGTERM."""
-    tracing = setup_tracing(ROLE, config.worker_id)
-    metrics_registry = process_registry()
-    metrics_server = None
-    try:
-        if config.metrics_port:
-            metrics_server = start_metrics_server(
-                config.host, config.metrics_port, metrics_registry
-            )
-        process = await start(config, metrics_registry)
-        await serve_until_signal(process.server, config.drain_grace_s, on_stop=process.close)
-    finally:
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
+    """The block store process (common/rpc/server.py's serve_process), until SIGTERM."""
+
+    async def started(registry: CollectorRegistry) -> Started:
+        process = await start(config, registry)
+        return Started(process.server, on_stop=process.close)
+
+    await serve_process(
+        ROLE, config.worker_id, config.host, config.metrics_port, config.drain_grace_s, started
+    )

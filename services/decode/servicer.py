@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import RequestOutput
 from common.engine.request import KvImport
-from common.engine.sampling_params import SamplingParams
 from common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
@@ -22,7 +22,8 @@ from common.errors import (
 )
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import KvLayout
-from common.kv.pull import RELEASE_RETRY_S, pull_kv, release_lease, transfer_attributes
+from common.kv.pull import pull_kv, transfer_attributes
+from common.kv.release import RELEASE_RETRY_S, release_lease
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.rpc.tracing import record_error

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.errors import KvLoadError, PdserveError, UnavailableError
 from common.index.registry import WorkerInfo
 from common.rpc.breaker import PEER_FAILURE_CODES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.errors import InvalidRequestError
 from common.text.tokenizer import Tokenizer
 

@@ -7,19 +7,18 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from common.contract.model_spec import load_spec
 from common.index import redis_client
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerInfo, WorkerRegistry
-from common.models.spec import load_spec
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
-from common.rpc.server import Server, create_server, serve_until_signal
-from common.telemetry.metrics import process_registry, start_metrics_server
-from common.telemetry.tracing import setup_tracing
+from common.rpc.server import Server, Started, create_server, serve_process
 from common.text.tokenizer import Tokenizer
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.auth import AuthInterceptor
@@ -112,22 +111,30 @@ async def stop_gateway(servicer: GatewayServicer, resources: Any) -> None:
     await client.aclose()
 
 
+def keep_torch_out() -> None:
+    """Makes torch unimportable in this process (``sys.modules["torch"] = None``), called by
+    the gateway's entry point before anything loads transformers. The gateway runs no model,
+    but transformers, which its tokenizer comes from, imports torch whenever it can find it
+    (about 250 MiB and 3 s at start); told there is none, it takes its torch-free path, and
+    a stray torch import on any gateway path fails loudly instead of costing that again.
+    Does nothing where torch is already loaded (an in-process gateway in a test)."""
+    if "torch" in sys.modules:
+        log.info("torch is already loaded in this process; the gateway keeps it")
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 async def serve(config: GatewayConfig) -> None:
-    """The gateway process: tracing from OTEL_*, metrics at --metrics-port, until SIGTERM."""
-    tracing = setup_tracing("gateway", config.worker_id)
-    metrics_registry = process_registry()
-    metrics_server = None
-    try:
-        if config.metrics_port:
-            metrics_server = start_metrics_server(
-                config.host, config.metrics_port, metrics_registry
-            )
-        server, servicer, resources = await start_gateway(config, metrics_registry)
-        print(f"gateway {servicer.gateway_id} serving at {servicer.address}", flush=True)
-        await serve_until_signal(
-            server, config.drain_grace_s, on_stop=lambda: stop_gateway(servicer, resources)
+    """The gateway process (common/rpc/server.py's serve_process), until SIGTERM."""
+
+    async def started(registry: CollectorRegistry) -> Started:
+        server, servicer, resources = await start_gateway(config, registry)
+        return Started(
+            server,
+            on_stop=lambda: stop_gateway(servicer, resources),
+            banner=f"gateway {servicer.gateway_id} serving at {servicer.address}",
         )
-    finally:
-        if metrics_server is not None:
-            metrics_server.stop()
-        tracing.shutdown()
+
+    await serve_process(
+        "gateway", config.worker_id, config.host, config.metrics_port, config.drain_grace_s, started
+    )

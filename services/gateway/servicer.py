@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.model_spec import ModelSpec
+from common.contract.sampling import SamplingParams
 from common.errors import (
     AlreadyExistsError,
     InvalidRequestError,
@@ -25,8 +26,7 @@ from common.errors import (
 from common.index.prefix_index import PrefixIndex, prefix_overlap
 from common.index.registry import WorkerInfo
 from common.kv.hashing import HASH_SCHEME_VERSION, hash_prompt_blocks
-from common.kv.pull import RELEASE_RETRY_S, release_lease
-from common.models.spec import ModelSpec
+from common.kv.release import RELEASE_RETRY_S, release_lease
 from common.rpc.breaker import PEER_FAILURE_CODES, CircuitState
 from common.rpc.channels import ChannelPool, remaining_timeout
 from common.rpc.errors import rpc_method

@@ -9,7 +9,7 @@ import time
 
 from opentelemetry.trace import Span
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.relay import Relay
 from services.gateway.routing import Route

@@ -8,8 +8,8 @@ import time
 
 import grpc
 
+from common.contract.sampling import SamplingParams
 from common.engine.request import FinishReason
-from common.engine.sampling_params import SamplingParams
 from common.errors import InvalidRequestError, NotFoundError
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.rpc.channels import remaining_timeout

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from common.models.spec import load_spec
+from common.contract.model_spec import load_spec
 from common.rpc.malformed import MalformedRequest, _safe
 from common.text.tokenizer import Tokenizer
 from pdserve.gateway.v1 import gateway_pb2

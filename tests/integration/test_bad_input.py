@@ -24,7 +24,7 @@ import redis.asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.errors import InvalidRequestError
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.rpc.errors import reason_of, retry_delay_ms

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from pdserve.client import GatewayClient
 from tests.integration.conftest import Stack
 from tests.prompts import passage

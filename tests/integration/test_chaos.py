@@ -36,7 +36,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.index import redis_client
 from common.index.prefix_index import PrefixIndex
 from common.kv.hashing import hash_prompt_blocks

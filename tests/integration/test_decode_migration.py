@@ -34,7 +34,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
 from common.engine.sampler import SampleResult
-from common.engine.sampling_params import SamplingParams
 from tests.prompts import prompt_with_context
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient, RemoteCompletion
 from tests.integration.conftest import ObservedStack

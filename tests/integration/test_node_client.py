@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from pdserve.client import GatewayClient, RemoteCompletion
 from pdserve.gateway.v1 import gateway_pb2
 from tests.integration.conftest import Stack

@@ -25,7 +25,7 @@ import grpc
 import psutil
 import pytest
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.rpc.errors import retry_delay_ms
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving

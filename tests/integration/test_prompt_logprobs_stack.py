@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
 from pdserve.client import GatewayClient
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.conftest import Stack

@@ -25,7 +25,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.engine.sampling_params import SamplingParams
+from common.contract.sampling import SamplingParams
 from common.rpc.errors import reason_of
 from common.rpc.pki import make_ca
 from common.rpc.tls import TlsConfig

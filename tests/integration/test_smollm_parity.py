@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 from tests.prompts import prompt_with_context
 

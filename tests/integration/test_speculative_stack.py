@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
 from common.telemetry.metrics import scrape
 from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.client import GatewayClient, RemoteCompletion, collect

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.engine.sampling_params import SamplingParams
 from pdserve.client import GatewayClient, RemoteCompletion
 from tests.factories import hf_greedy
 from tests.integration.conftest import Stack

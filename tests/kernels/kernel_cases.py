@@ -17,7 +17,10 @@ from kernels.kv_write import write_kv_ref
 
 # Device under test: the GPU when there is one, else the CPU through Triton's interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 needs CUDA")
+needs_cuda = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 needs CUDA"),
+]
 # The interpreter computes bfloat16 arithmetic wrongly, so bf16 cases run on GPUs only.
 FLOAT_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=needs_cuda)]
 TOLERANCE = {

@@ -484,7 +484,7 @@ def test_engine_same_greedy_tokens_with_cpp_and_torch_attention(
 ) -> None:
     """A tiny llama, float or int4 (C++ matmuls, 16-bit activation codes, in both), with the
     fused C++ ops or the torch ones: the same greedy tokens and every step's logits close."""
-    from common.engine.sampling_params import SamplingParams
+    from common.contract.sampling import SamplingParams
     from tests.factories import random_prompts, run_to_completion, tiny_engine
 
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts(384, [1, 9, 16, 40, 75], seed=3))}

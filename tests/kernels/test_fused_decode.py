@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from kernels.cpu import available
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import common.engine.attention.triton_backend as triton_backend
+from common.contract.sampling import SamplingParams
 from common.engine.attention import LayerKV
 from common.engine.attention.torch_kv import write_kv_torch
 from common.engine.engine import Engine
 from common.engine.sampler import SampleResult
-from common.engine.sampling_params import SamplingParams
 from kernels import new_kv_scales, write_kv_ref
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 

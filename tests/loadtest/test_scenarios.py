@@ -17,7 +17,7 @@ from loadtest.scenarios.cluster import LLAMA_CPP_MISSING, ClusterPool, llama_cpp
 from loadtest.scenarios.common import SMALL_CLUSTER, ScenarioOptions
 from pdserve.commands import bench
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 SUMMARY_KEYS = (
     "date", "backend", "label", "num_prompts", "request_rate", "burstiness", "max_concurrency",

@@ -37,6 +37,8 @@ from services.blockstore.server import BlockStoreProcess, start
 from services.blockstore.servicer import SERVICE_NAME
 from tests.redis_server import redis_server
 
+pytestmark = pytest.mark.redis
+
 # [n, L=2, 2, S=4, Hkv=2, D=8] bfloat16: 512 bytes a block
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
 BLOCK = LAYOUT.bytes_per_block

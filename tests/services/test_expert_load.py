@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.experts.counts import DECODE, PREFILL, ExpertCounts
 from common.experts.stats import coefficient_of_variation, imbalance
 from common.index import keys
@@ -27,6 +27,8 @@ from common.worker.runtime import WorkerRuntime
 from pdserve.cli import main as cli_main
 from tests.factories import make_tiny_moe_checkpoint, random_prompts
 from tests.redis_server import redis_server
+
+pytestmark = pytest.mark.redis
 
 MODEL = "tiny-moe"
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.index import keys, redis_client
 from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerRegistry
@@ -35,6 +35,8 @@ from common.worker.runtime import WorkerRuntime
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
 from tests.factories import make_tiny_checkpoint
+
+pytestmark = pytest.mark.redis
 
 PROMPT = list(range(3, 56))  # 3 full blocks
 

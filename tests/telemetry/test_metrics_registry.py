@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.heap import freeze_startup_heap
 from common.telemetry import metrics as telemetry_metrics
 from common.telemetry.metrics import RequestMetrics, Samples, scrape, start_metrics_server

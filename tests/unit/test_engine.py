@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
 from common.engine.request import FinishReason, KvImport
-from common.engine.sampling_params import SamplingParams
 from common.errors import InvalidRequestError, NotFoundError, QueueFullError
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
 

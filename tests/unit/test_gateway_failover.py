@@ -23,8 +23,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from common.contract.model_spec import load_spec
 from common.index.registry import WorkerInfo
-from common.models.spec import load_spec
 from common.rpc.server import Server, create_server
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2

@@ -26,8 +26,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
-from common.engine.sampling_params import SamplingParams
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.kv.hashing import extra_keys_for, hash_block, hash_prompt_blocks, root_hash
 from common.models.quant.formats import WeightFormat, resolve_weight_format
@@ -171,6 +171,7 @@ def test_worker_info_weights_round_trip() -> None:
     assert WorkerInfo.from_redis(raw).weights == ""
 
 
+@pytest.mark.redis
 def test_registry_keeps_each_workers_weights(tmp_path: Path) -> None:
     import redis.asyncio as aioredis
 
@@ -233,7 +234,7 @@ def _route_with(
     smollm_dir: Path, workers: list[WorkerInfo], holders: list[str], prompt: list[int]
 ) -> tuple[Any, list[list[int]]]:
     """The gateway servicer's own routing step (_route) over these workers."""
-    from common.models.spec import load_spec
+    from common.contract.model_spec import load_spec
     from common.text.tokenizer import Tokenizer
     from services.gateway.config import GatewayConfig
     from services.gateway.directory import WorkerDirectory

@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.contract.model_spec import load_spec
+from common.contract.sampling import SamplingParams
 from common.engine.attention import resolve_backend_name
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.model_runner import kv_bytes_per_block
 from common.engine.request import FinishReason, KvImport
 from common.engine.sampler import SampleResult
-from common.engine.sampling_params import SamplingParams
-from common.models.spec import load_spec
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 
@@ -260,7 +260,7 @@ def test_torch_path_never_uses_the_triton_kernels(ckpt: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from common.engine.sampling_params import SamplingParams
+        from common.contract.sampling import SamplingParams
         from tests.factories import run_to_completion, tiny_engine
         for backend, kv_dtype in (("auto", "auto"), ("torch", "int8"), ("auto", "fp8")):
             engine = tiny_engine({str(ckpt)!r}, attention_backend=backend, kv_dtype=kv_dtype)

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from common.contract.model_spec import UnsupportedModelError, load_spec
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
-from common.models.spec import UnsupportedModelError, load_spec
 from tests.factories import (
     TINY_MOE,
     hf_greedy,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.contract.model_spec import ModelSpec, MoeSpec, RopeSpec, load_spec
+from common.contract.sampling import SamplingParams
 from common.engine.attention.torch_backend import TorchAttentionBackend
-from common.engine.sampling_params import SamplingParams
 from common.experts.counts import DECODE, PREFILL
 from common.models.loader import build_model
 from common.models.moe import ExpertLoadRecorder, MoeForCausalLM, SparseMoeBlock
-from common.models.spec import ModelSpec, MoeSpec, RopeSpec, load_spec
 from tests.factories import (
     TINY_MOE,
     make_tiny_moe_checkpoint,
@@ -207,7 +207,7 @@ def test_dense_models_have_no_expert_counts(tmp_path: Path) -> None:
 
 
 def test_unsupported_moe_options_are_refused(tmp_path: Path) -> None:
-    from common.models.spec import UnsupportedModelError
+    from common.contract.model_spec import UnsupportedModelError
 
     ckpt = make_tiny_moe_checkpoint(tmp_path / "m", "mixtral")
     config = json.loads((ckpt / "config.json").read_text())

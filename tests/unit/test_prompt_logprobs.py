@@ -10,11 +10,11 @@ from typing import Any, cast
 import pytest
 import torch
 
+from common.contract.sampling import MAX_PROMPT_LOGPROBS, SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, RequestOutput
 from common.engine.llm import LLM
 from common.engine.request import KvImport, Request, TokenLogprob
-from common.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from common.errors import InvalidRequestError
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2

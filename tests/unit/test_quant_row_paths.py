@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.models.quant import linear
 from common.models.quant.linear import DENSE_MIN_ROWS
 from kernels.cpu import available

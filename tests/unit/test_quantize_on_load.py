@@ -42,8 +42,8 @@ import pytest
 import torch
 from torch import nn
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.models.moe import Experts
 from common.models.quant.linear import QuantEmbedding, QuantExperts, QuantLinear
 from common.models.quant.load import weight_bytes

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
 from common.engine.request import FullBlocks, KvImport
-from common.engine.sampling_params import SamplingParams
 from common.kv.hashing import hash_prompt_blocks
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
 

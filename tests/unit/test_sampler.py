@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.request import Request
 from common.engine.sampler import Sampler
-from common.engine.sampling_params import SamplingParams
 from common.errors import InvalidRequestError
 
 VOCAB = 8

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
 from common.engine.request import Request
-from common.engine.sampling_params import SamplingParams
 from common.engine.speculative.config import SpeculativeConfigError
 from common.engine.speculative.draft import DraftModelProposer
 from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
 from common.engine.request import Request
-from common.engine.sampling_params import SamplingParams
 from common.engine.speculative.policy import StepCost
 from common.kv.hashing import hash_prompt_blocks
 from tests.factories import (

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, EngineStats, RequestOutput
-from common.engine.sampling_params import SamplingParams
 from common.errors import AlreadyExistsError
 from common.worker.config import WorkerConfig
 from common.worker.runtime import WorkerRuntime

@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from common.contract.model_spec import load_spec
+from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.kv_manager import KVCacheManager
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
-from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledRequest
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
-from common.models.spec import load_spec
 
 log = logging.getLogger(__name__)
 

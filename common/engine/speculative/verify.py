@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from common.contract.sampling import SamplingParams
 from common.engine.request import Request
 from common.engine.sampler import draw_seed
-from common.engine.sampling_params import SamplingParams
 
 
 def accepted(target_tokens: list[int], proposed: list[int]) -> list[int]:

@@ -20,11 +20,8 @@ the file; that directory then serves as the checkpoint directory everywhere.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +37,6 @@ SUFFIX = ".gguf"
 # GGUF tensor types read as they are; anything else is refused with its name.
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-_PREPARED_MARKER = ".pdserve-gguf"
 
 # GGUF tensor name -> Hugging Face name, for the llama family (llama, mistral, qwen2, qwen3).
 _GLOBAL_NAMES = {
@@ -227,56 +223,3 @@ def open_checkpoint(path: str | Path) -> GgufCheckpoint:
 def release_checkpoints() -> None:
     """Drops the cached readers (and with them the files' memory mappings)."""
     _open_cached.cache_clear()
-
-
-# -- the checkpoint directory beside a GGUF file --------------------------------------------
-
-
-def _file_key(path: Path) -> str:
-    stat = path.stat()
-    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def prepared_dir(path: Path, cache: Path) -> Path:
-    return cache / "gguf" / f"{path.stem}-{_file_key(path)}"
-
-
-def link_gguf(directory: Path, path: Path) -> None:
-    """Puts a link to ``path`` in ``directory`` (replacing a stale one)."""
-    link = directory / path.name
-    if link.is_symlink() or link.exists():
-        if link.resolve() == path.resolve():
-            return
-        link.unlink()
-    link.symlink_to(path.resolve())
-
-
-def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
-    """A checkpoint directory for a GGUF file: config.json, generation config and tokenizer
-    written from the file's metadata once, and a link to the file."""
-    target = prepared_dir(path, cache)
-    if (target / _PREPARED_MARKER).is_file():
-        return target
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        log.info("reading %s's config and tokenizer (once)", path.name)
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(staging)
-        GenerationConfig.from_model_config(config).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
-        link_gguf(staging, path)
-        (staging / _PREPARED_MARKER).write_text(f"{path.resolve()}\n")
-        staging.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # the engine imports this module and no generated stub at run time
+    from pdserve.common.v1.common_pb2 import SamplingParams as SamplingParamsPb
 
 MAX_TOP_LOGPROBS = 20
 # Alternatives per prompt position (vLLM's max_logprobs): each costs a top-k over the vocab.
@@ -86,7 +89,7 @@ class SamplingParams:
             raise InvalidRequestError("sampling.seed", "must fit in an unsigned 64-bit integer")
 
     @classmethod
-    def check_pb_sizes(cls, pb: Any) -> None:
+    def check_pb_sizes(cls, pb: SamplingParamsPb) -> None:
         """The size bounds alone, on a ``pdserve.common.v1.SamplingParams``: cheap, for
         refusing before any other work."""
         check_stop_sizes(len(pb.stop), max(map(len, pb.stop), default=0))
@@ -97,7 +100,7 @@ class SamplingParams:
             )
 
     @classmethod
-    def from_pb(cls, pb: Any, default_max_tokens: int) -> SamplingParams:
+    def from_pb(cls, pb: SamplingParamsPb, default_max_tokens: int) -> SamplingParams:
         """From ``pdserve.common.v1.SamplingParams``: unset optionals take the API defaults
         (temperature 1.0, top_p 1.0, repetition_penalty 1.0); max_tokens 0 means
         ``default_max_tokens`` (what is left of the context)."""
@@ -120,7 +123,7 @@ class SamplingParams:
             speculative=not pb.disable_speculation,
         )
 
-    def to_pb(self, pb: Any) -> Any:
+    def to_pb(self, pb: SamplingParamsPb) -> SamplingParamsPb:
         """Fills a ``pdserve.common.v1.SamplingParams`` (explicit values, no defaults)."""
         pb.max_tokens = self.max_tokens
         pb.temperature = self.temperature
