@@ -116,6 +116,34 @@ class RequestMetrics:
             self.inter_token_latency.observe(gap_s / num_tokens)
 
 
+class TokenTimes:
+    """When one request's tokens came out, as its process records them: the first tokens
+    as time to first token (from ``arrival``), every later one as time per output token
+    (a burst of n after a gap g: n observations of g / n), and all in the token count. The
+    gateway's relay and both workers record through this."""
+
+    def __init__(self, metrics: RequestMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first_at: float | None = None
+        self.last_at = 0.0
+
+    def tokens(self, count: int, now: float) -> None:
+        if count <= 0:
+            return
+        if self.first_at is None:
+            self.first_at = now
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+        else:
+            self.metrics.observe_tokens(now - self.last_at, count)
+        self.last_at = now
+        self.metrics.generation_tokens.inc(count)
+
+    def ttft_ms(self, now: float) -> float:
+        """Milliseconds to the first token (to ``now`` while none came)."""
+        return ((self.first_at or now) - self.arrival) * 1000
+
+
 class RedisHealth:
     """``redis_up`` (1 after the last call to Redis succeeded, 0 after it failed) and
     failures by operation."""

@@ -28,7 +28,7 @@ from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.rpc.tracing import record_error
 from common.telemetry.logs import bind_request_id
-from common.telemetry.metrics import RequestMetrics
+from common.telemetry.metrics import RequestMetrics, TokenTimes
 from common.telemetry.tracing import tracer
 from common.worker.metrics import BLOCK_STORE, PRODUCER, RECEIVED
 from common.worker.pb import finish_reason_pb, logprob_pb
@@ -93,7 +93,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         span = tracer().start_span(
             "decode", attributes={"pdserve.local_prefill": source != "kv_handle"}
         )
-        stream = _Stream(arrival, admitted)
+        stream = _Stream(arrival, admitted, metrics)
         published = False
         outputs = runtime.loop.generate(
             request.request_id,
@@ -329,12 +329,11 @@ class _Transfer:
 class _Stream:
     """One Decode call's timings and counts, for its metrics, span and log line."""
 
-    def __init__(self, arrival: float, admitted: float) -> None:
+    def __init__(self, arrival: float, admitted: float, metrics: RequestMetrics) -> None:
         self.arrival = arrival
         self.admitted = admitted
         self.scheduled: float | None = None
-        self.first_at: float | None = None
-        self.last_at = 0.0
+        self.times = TokenTimes(metrics, arrival)
         self.num_generated = 0
         self.cached_tokens = 0
         self.spec = (0, 0, 0)  # speculation: verify rounds, proposals verified, kept
@@ -348,14 +347,8 @@ class _Stream:
             metrics.request_queue_time.observe(max(0.0, self.scheduled - self.admitted))
             metrics.prompt_tokens.inc(num_prompt)
         if out.new_token_ids:
-            if self.first_at is None:
-                self.first_at = now
-                metrics.time_to_first_token.observe(now - self.arrival)
-            else:
-                metrics.observe_tokens(now - self.last_at, len(out.new_token_ids))
-            self.last_at = now
+            self.times.tokens(len(out.new_token_ids), now)
             self.num_generated += len(out.new_token_ids)
-            metrics.generation_tokens.inc(len(out.new_token_ids))
         if out.finish_reason is not None:
             self.finish = out.finish_reason.value
         if out.new_token_ids:
@@ -418,7 +411,7 @@ class _Stream:
             transfer.ms,
             self.num_generated,
             queue_ms,
-            ((self.first_at or now) - self.arrival) * 1000,
+            self.times.ttft_ms(now),
             (now - self.arrival) * 1000,
         )
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from common.telemetry.metrics import RequestMetrics
+from common.telemetry.metrics import RequestMetrics, TokenTimes
 from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
@@ -30,8 +30,7 @@ class Relay:
         self.generated: list[int] = []
         self.cached_tokens = 0
         self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
-        self.last_token_at = 0.0
+        self.times = TokenTimes(metrics, self.arrival)
         self.queue_ms = 0.0
         self.num_migrations = 0  # decode streams that broke and continued elsewhere
         self.finish_reason: str | None = None  # set once the final message is built
@@ -51,15 +50,9 @@ class Relay:
             logprobs = logprobs[: self.detok.num_taken]
         self.generated += token_ids
         if token_ids:
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self.metrics.time_to_first_token.observe(now - self.arrival)
+            if self.times.first_at is None:
                 self.metrics.prompt_tokens.inc(len(self.prompt))
-            else:
-                self.metrics.observe_tokens(now - self.last_token_at, len(token_ids))
-            self.last_token_at = now
-            self.metrics.generation_tokens.inc(len(token_ids))
+            self.times.tokens(len(token_ids), time.monotonic())
         return gateway_pb2.GenerateResponse(
             request_id=self.request_id,
             text=text,
@@ -92,7 +85,7 @@ class Relay:
         return message
 
     def ttft_ms(self, now: float) -> float:
-        return ((self.first_token_at or now) - self.arrival) * 1000
+        return self.times.ttft_ms(now)
 
 
 def finish_reason_name(reason: common_pb2.FinishReason) -> str:

@@ -15,6 +15,7 @@ from common.kv.hashing import HASH_SCHEME_VERSION
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.telemetry.logs import bind_request_id
+from common.telemetry.metrics import TokenTimes
 from common.telemetry.tracing import tracer
 from common.worker.pb import finish_reason_pb, logprob_pb
 from common.worker.runtime import WorkerRuntime
@@ -111,10 +112,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         end = time.monotonic()
         metrics.request_queue_time.observe(scheduled - admitted)
-        metrics.time_to_first_token.observe(done - arrival)
+        TokenTimes(metrics, arrival).tokens(len(last.new_token_ids), done)
         metrics.e2e_request_latency.observe(end - arrival)
         metrics.prompt_tokens.inc(len(prompt))
-        metrics.generation_tokens.inc(len(last.new_token_ids))
         metrics.finished(finish)
         log.info(
             "prefill %s: %s, prompt %d tokens (%d cached, %d imported, %d computed); "

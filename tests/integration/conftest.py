@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import TypeVar
 import pytest
 
 from pdserve.launcher import Child, StackState, free_port
+from tests.polling import settle
 from tests.telemetry.otlp_receiver import OtlpReceiver
 
 
@@ -51,15 +51,11 @@ class Stack:
 
     def wait_all_free(self, timeout_s: float = 20.0) -> list[dict]:
         """Polls until every worker's KV pool is entirely free again (or times out)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            workers = [w for w in self.workers() if w["role"] in ("prefill", "decode")]
-            if (
-                all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in workers)
-                or time.monotonic() > deadline
-            ):
-                return workers
-            time.sleep(0.25)
+        return settle(
+            lambda: [w for w in self.workers() if w["role"] in ("prefill", "decode")],
+            lambda workers: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in workers),
+            timeout_s,
+        )
 
 
 S = TypeVar("S", bound=Stack)

@@ -44,6 +44,7 @@ from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient
 from pdserve.launcher import Child, StackState, start_redis, wait_redis
 from tests.integration.conftest import Stack, up_stack
+from tests.polling import until
 from tests.prompts import QUESTIONS, passage
 
 pytestmark = pytest.mark.slow
@@ -246,20 +247,12 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.25)
-
-
 def assert_settled(stack: ChaosStack, dead: set[str]) -> None:
     """Every live process SERVING; every live worker in the registry (so routed to) and
     none of the dead ones; every live worker's KV pool entirely free and no lease left."""
     live = [c for c in stack.state().children if c.name not in dead and c.role != "redis"]
     for child in live:
-        wait_for(f"{child.name} SERVING", lambda child=child: serving(child.address))
+        until(f"{child.name} SERVING", lambda child=child: serving(child.address))
     # Registry entries name their process by address (a block store's id is not its name).
     wanted = {c.address for c in live if c.role in ("prefill", "decode", "blockstore")}
     gone = {c.address for c in stack.state().children if c.name in dead}
@@ -268,7 +261,7 @@ def assert_settled(stack: ChaosStack, dead: set[str]) -> None:
         listed = {w["address"] for w in stack.workers()}
         return wanted <= listed and not (listed & gone)
 
-    wait_for(f"the registry lists every live worker and none of {sorted(dead)}", registry_right)
+    until(f"the registry lists every live worker and none of {sorted(dead)}", registry_right)
 
     def nothing_held() -> bool:
         workers = [w for w in stack.workers() if w["role"] in ("prefill", "decode")]
@@ -280,7 +273,7 @@ def assert_settled(stack: ChaosStack, dead: set[str]) -> None:
             if c.role in ("prefill", "decode")
         )
 
-    wait_for("every KV pool free and no lease held", nothing_held, timeout_s=25.0)
+    until("every KV pool free and no lease held", nothing_held, timeout_s=25.0)
 
 
 def request_count(stack: ChaosStack, name: str) -> float:
@@ -305,7 +298,7 @@ async def one(target: str, **kwargs: object) -> tuple[list[int], int]:
 def wait_out_of_registry(stack: ChaosStack, name: str) -> None:
     """A hung worker's entry expires: it leaves the routing set."""
     stopped = stack.child(name).address
-    wait_for(
+    until(
         f"{name} out of the registry",
         lambda: stopped not in {w["address"] for w in stack.workers()},
         timeout_s=REGISTRY_TTL_S + 5,
@@ -320,7 +313,7 @@ def wait_rejoined(stack: ChaosStack, name: str) -> None:
         asyncio.run(one(stack.target, prompt=passage(2), cache_salt=f"rejoin-{uuid.uuid4().hex}"))
         return request_count(stack, name) > served
 
-    wait_for(f"{name} serving requests again", rejoined, timeout_s=40)
+    until(f"{name} serving requests again", rejoined, timeout_s=40)
     assert_settled(stack, dead=set())
 
 
@@ -428,13 +421,13 @@ def test_redis_killed_and_restarted_loses_no_request_and_the_index_rebuilds(
     assert gateway_entry["role"] == "gateway" and gateway_entry["index_available"] is False
     assert "routing index (Redis): UNAVAILABLE" in str(seen_down[2]["status"])
 
-    wait_for(
+    until(
         "the gateway uses the index again",
         lambda: gateway_counter(chaos, "pdserve:index_available") == 1,
     )
     assert_settled(chaos, dead=set())
     # Rebuilt by the workers themselves: who held the marker's blocks is known again.
-    wait_for(
+    until(
         "the marker's holders back in the index",
         lambda: workers_holding <= asyncio.run(holders()),
     )

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +39,7 @@ from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from tests.integration.conftest import Stack, up_stack
 from tests.near_ties import NearTies
+from tests.polling import settle, until
 from tests.prompts import prompt_with_context
 
 pytestmark = pytest.mark.slow
@@ -146,19 +146,18 @@ def assert_nothing_held(
     stack: Stack, skip_pids: tuple[int, ...] = (), timeout_s: float = 20.0
 ) -> None:
     """Every live process's KV pool free, no lease, no open put or pinned store block."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        workers = [w for w in stack.workers() if w["pid"] not in skip_pids]
-        held = [
+
+    def held() -> list[dict]:
+        return [
             w
-            for w in workers
-            if w["role"] in ("prefill", "decode", "blockstore")
+            for w in stack.workers()
+            if w["pid"] not in skip_pids
+            and w["role"] in ("prefill", "decode", "blockstore")
             and (w["kv_blocks_free"] != w["kv_blocks_total"] or w["running"] or w["waiting"])
         ]
-        if not held or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
-    assert not held, held
+
+    still_held = settle(held, lambda workers: not workers, timeout_s)
+    assert not still_held, still_held
     for name, child in stack.children().items():
         if child.role in ("prefill", "decode") and child.pid not in skip_pids:
             assert child.metrics_url is not None
@@ -179,15 +178,15 @@ def assert_serving(stack: Stack, skip_pids: tuple[int, ...] = ()) -> None:
 def wait_streams(stack: Stack, name: str, count: int, timeout_s: float = 120.0) -> None:
     """Until decode worker ``name`` runs ``count`` streams."""
     address = stack.children()[name].address
-    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
-        while time.monotonic() < deadline:
-            status = stub.GetStatus(decode_pb2.GetStatusRequest(), timeout=5.0).status
-            if status.num_running_requests >= count:
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"{name} never ran {count} streams in {timeout_s:.0f}s of load")
+
+        def running() -> int:
+            return stub.GetStatus(
+                decode_pb2.GetStatusRequest(), timeout=5.0
+            ).status.num_running_requests
+
+        until(f"{name} runs {count} streams", lambda: running() >= count, timeout_s, every_s=0.05)
 
 
 @pytest.fixture(scope="module")

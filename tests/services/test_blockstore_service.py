@@ -35,6 +35,7 @@ from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
 from services.blockstore.config import BlockStoreConfig
 from services.blockstore.server import BlockStoreProcess, start
 from services.blockstore.servicer import SERVICE_NAME
+from tests.polling import until_async
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.redis
@@ -427,7 +428,7 @@ def test_get_pins_every_block_before_streaming_and_unpins_when_cancelled() -> No
                 async def unpinned() -> bool:
                     return process.store.stats().pinned_bytes == 0
 
-                await _eventually(unpinned)
+                await until_async("unpinned", unpinned, timeout_s=5.0)
                 assert await client.put([999], blocks[:1]) == 1  # evicts the LRU block
                 assert await client.contains(hashes) == num_blocks - 1  # the tail went
         finally:
@@ -492,13 +493,6 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 def test_redis_prefix_index_and_registry(redis_url: str) -> None:
     import redis.asyncio
 
@@ -514,7 +508,7 @@ def test_redis_prefix_index_and_registry(redis_url: str) -> None:
                 async def indexed() -> bool:
                     return len(await index.lookup([1, 2, 3])) == 3
 
-                await _eventually(indexed)
+                await until_async("indexed", indexed, timeout_s=5.0)
                 assert await index.lookup([1, 2, 3]) == [{keys.STORE_LOCATION: "memory"}] * 3
                 assert 0 < await redis_client.ttl(keys.block(MODEL, 1)) <= 600
 
@@ -522,7 +516,7 @@ def test_redis_prefix_index_and_registry(redis_url: str) -> None:
                     workers = await registry.list(role="blockstore")
                     return [(w.worker_id, w.model) for w in workers] == [("bs-r", MODEL)]
 
-                await _eventually(registered)
+                await until_async("registered", registered, timeout_s=5.0)
                 (info,) = await registry.list(role="blockstore")
                 assert info.address == f"127.0.0.1:{process.port}"
                 assert info.num_kv_blocks_total == 3
@@ -531,7 +525,7 @@ def test_redis_prefix_index_and_registry(redis_url: str) -> None:
                     (again,) = await registry.list(role="blockstore")
                     return again.heartbeat_unix_ms > info.heartbeat_unix_ms
 
-                await _eventually(beats_again)
+                await until_async("beats_again", beats_again, timeout_s=5.0)
 
                 await client.put([4, 5], random_blocks(2, seed=3))  # evicts 3 and 2, the tail
 
@@ -539,7 +533,7 @@ def test_redis_prefix_index_and_registry(redis_url: str) -> None:
                     gone = await redis_client.exists(keys.block(MODEL, 3)) == 0
                     return gone and len(await index.lookup([4, 5])) == 2
 
-                await _eventually(moved)
+                await until_async("moved", moved, timeout_s=5.0)
                 assert await index.lookup([1, 2]) == [{keys.STORE_LOCATION: "memory"}]
                 assert await redis_client.hgetall(keys.block(MODEL, 2)) == {}
 

@@ -15,7 +15,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from common.worker.runtime import WorkerRuntime
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
 from tests.factories import make_tiny_checkpoint
+from tests.polling import until_async
 
 pytestmark = pytest.mark.redis
 
@@ -93,14 +94,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "llama")
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
 async def locations(url: str, model: str, hashes: list[int]) -> list[dict[str, str]]:
     client = redis_client.connect(url)
     try:
@@ -139,13 +132,13 @@ def test_a_worker_republishes_its_blocks_when_redis_returns_empty(
             await asyncio.sleep(0.5)  # heartbeats fail meanwhile; nothing else does
             assert runtime.metrics.registry.get_sample_value("pdserve:redis_up") == 0
             redis_server.start()
-            await eventually(indexed)
+            await until_async("indexed", indexed)
             assert runtime.metrics.registry.get_sample_value("pdserve:redis_up") == 1
 
             client = redis_client.connect(redis_server.url)
             try:
                 await client.flushall()  # a restart without the downtime
-                await eventually(indexed)
+                await until_async("indexed", indexed)
                 workers = await WorkerRegistry(client).list()
                 assert [w.worker_id for w in workers] == [runtime.worker_id]
             finally:
@@ -183,7 +176,7 @@ async def registered_worker(
     client = redis_client.connect(redis_url)
     try:
         worker = RegisteredWorker(runtime, WorkerRegistry(client))
-        await eventually(worker.listed)
+        await until_async("worker.listed", worker.listed)
         yield worker
     finally:
         await client.aclose()
@@ -198,7 +191,7 @@ def test_a_silent_worker_leaves_the_registry_within_seconds(
             heartbeat = worker.runtime._tasks[0]
             heartbeat.cancel()  # it hangs (SIGSTOP) or died without deregistering
             silent_at = time.monotonic()
-            await eventually(worker.gone, timeout_s=10)
+            await until_async("worker.gone", worker.gone, timeout_s=10)
             assert time.monotonic() - silent_at <= 4.0  # the entry's TTL: 3 s here
 
     asyncio.run(asyncio.wait_for(body(), timeout=60))
@@ -229,10 +222,10 @@ def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
             stuck = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(6.0)))
             stuck_at = time.monotonic()
 
-            await eventually(worker.gone, timeout_s=6)
+            await until_async("worker.gone", worker.gone, timeout_s=6)
             assert time.monotonic() - stuck_at <= 5.0  # the limit, then the 3-s TTL
             await stuck
-            await eventually(listed)  # answering again: back in
+            await until_async("listed", listed)  # answering again: back in
 
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
@@ -258,12 +251,12 @@ def test_the_block_store_republishes_at_once_when_redis_returns_empty(
                 found = await locations(redis_server.url, "m", hashes)
                 return len(found) == 3 and all(keys.STORE_LOCATION in f for f in found)
 
-            await eventually(indexed)
+            await until_async("indexed", indexed)
             redis_server.kill()
             await asyncio.sleep(0.5)
             assert await client.contains(hashes, timeout_s=5) == 3  # the store serves on
             redis_server.start()
-            await eventually(indexed, timeout_s=5)  # not the refresh every ttl / 2 (300 s)
+            await until_async("indexed", indexed, timeout_s=5)  # not the refresh every ttl / 2 (300 s)
         finally:
             await client.close()
             await store.stop()

@@ -18,6 +18,7 @@ from common.errors import AlreadyExistsError
 from common.worker.config import WorkerConfig
 from common.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_checkpoint
+from tests.polling import settle_async
 
 PROMPT = list(range(3, 40))  # 37 tokens: 3 blocks of 16
 PREFILL_ONLY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -43,13 +44,11 @@ async def consume(outputs: AsyncIterator[RequestOutput]) -> None:
 
 async def settled_stats(runtime: WorkerRuntime, timeout_s: float = 3.0) -> EngineStats:
     """Stats once the engine holds and runs nothing (or at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = await runtime.stats()
-        idle = not (stats.num_held or stats.num_running or stats.num_waiting)
-        if idle or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.05)
+    return await settle_async(
+        runtime.stats,
+        lambda stats: not (stats.num_held or stats.num_running or stats.num_waiting),
+        timeout_s,
+    )
 
 
 async def cancel_while_adding(runtime: WorkerRuntime, generate: Generate) -> EngineStats:
