@@ -22,7 +22,7 @@ from common.errors import (
 )
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.kv.layout import KvLayout
-from common.kv.pull import pull_kv, transfer_attributes
+from common.kv.pull import pull_kv
 from common.kv.release import RELEASE_RETRY_S, release_lease
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
@@ -30,11 +30,11 @@ from common.rpc.tracing import record_error
 from common.telemetry.logs import bind_request_id
 from common.telemetry.metrics import RequestMetrics, TokenTimes
 from common.telemetry.tracing import tracer
-from common.worker.metrics import BLOCK_STORE, PRODUCER, RECEIVED
-from common.worker.pb import finish_reason_pb, logprob_pb
-from common.worker.runtime import WorkerRuntime
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
+from services.worker.metrics import BLOCK_STORE, PRODUCER, RECEIVED
+from services.worker.pb import finish_reason_pb, logprob_pb
+from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             cache_salt=salt,
             output_token_ids=generated,
             kv_import=kv_import,
-            write_behind=runtime.store is not None,
+            write_behind=runtime.store.enabled,
         )
         try:
             # aclosing: a cancelled call aborts the request now, not when the generator is
@@ -110,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.full_blocks is not None:
-                        runtime.write_behind(out.full_blocks)
+                        runtime.store.write_behind(out.full_blocks)
                     stream.add(out, metrics, len(prompt))
                     message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
                     if sampling.logprobs or sampling.top_logprobs:
@@ -124,7 +124,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if not published:
                         # The prompt's full blocks now sit in this worker's cache.
                         runtime.in_background(
-                            runtime.publish_blocks(runtime.block_hashes(prompt, salt))
+                            runtime.sync.publish_blocks(runtime.block_hashes(prompt, salt))
                         )
                         published = True
                     if out.finished:
@@ -269,45 +269,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def _from_store(
         self, handle: common_pb2.KvHandle, timeout: float | None
     ) -> tuple[KvImport | None, _Transfer]:
-        metrics = self.runtime.metrics
+        """The leading full blocks of the handle the block store holds (None when none); the
+        tail (a partial block, or blocks the store lacks) is recomputed here."""
+        runtime = self.runtime
+        hashes = list(handle.block_hashes)
         with tracer().start_as_current_span("kv_transfer", kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.kv.source", BLOCK_STORE)
-            start = time.perf_counter()
             try:
-                kv = await self._store_blocks(handle, timeout)
+                present = await runtime.store.present(hashes, timeout)
+                read = (
+                    await runtime.store.read(hashes[:present], timeout, span) if present else None
+                )
             except BaseException as exc:
-                metrics.transfer_failed(BLOCK_STORE, RECEIVED)
+                runtime.metrics.transfer_failed(BLOCK_STORE, RECEIVED)
                 record_error(span, exc)
                 raise
-            if kv is None:
+            if read is None:
                 span.set_attribute("pdserve.kv.blocks", 0)
                 return None, _Transfer()
-            seconds = time.perf_counter() - start
-            num_bytes = kv.data.numel() * kv.data.element_size()
-            num_blocks = int(kv.data.shape[0])
-            metrics.transferred(BLOCK_STORE, RECEIVED, num_bytes, num_blocks, seconds)
-            span.set_attributes(transfer_attributes(num_bytes, num_blocks, seconds))
-        return kv, _Transfer(BLOCK_STORE, num_bytes, seconds * 1000)
-
-    async def _store_blocks(
-        self, handle: common_pb2.KvHandle, timeout: float | None
-    ) -> KvImport | None:
-        """The leading full blocks of the handle the store holds; None when none."""
-        runtime = self.runtime
-        store = runtime.store
-        hashes = list(handle.block_hashes)
-        if store is None or not hashes:
-            return None
-        present = await runtime.store_call(
-            store.contains(hashes, timeout_s=runtime.store_timeout(timeout))
-        )
-        if present == 0:
-            return None
-        data = await runtime.store_call(
-            store.get(hashes[:present], timeout_s=runtime.store_timeout(timeout))
-        )
-        # The tail (a partial block, or blocks the store lacks) is recomputed locally.
-        return KvImport(present * runtime.engine.block_size, data)
+        return read.kv, _Transfer(BLOCK_STORE, read.num_bytes, read.seconds * 1000)
 
     @rpc_method
     async def GetStatus(

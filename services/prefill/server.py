@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import grpc
 
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
-from common.worker.serve import serve_worker
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.servicer import PrefillServicer
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
+from services.worker.serve import serve_worker
 
 
 def add_servicers(server: grpc.aio.Server, runtime: WorkerRuntime) -> list[str]:

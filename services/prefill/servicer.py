@@ -17,10 +17,10 @@ from common.rpc.errors import rpc_method
 from common.telemetry.logs import bind_request_id
 from common.telemetry.metrics import TokenTimes
 from common.telemetry.tracing import tracer
-from common.worker.pb import finish_reason_pb, logprob_pb
-from common.worker.runtime import WorkerRuntime
 from pdserve.common.v1 import common_pb2
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from services.worker.pb import finish_reason_pb, logprob_pb
+from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         if lease is None:  # the caller released it before it existed: blocks already freed
             raise NotFoundError(f"lease {lease_id!r} was released by the caller; request dropped")
-        runtime.in_background(runtime.publish_blocks(hashes))
-        runtime.in_background(runtime.store_blocks(hashes, export.data))
+        runtime.in_background(runtime.sync.publish_blocks(hashes))
+        runtime.in_background(runtime.store.put(hashes, export.data))
         return common_pb2.KvHandle(
             request_id=request_id,
             hash_scheme_version=HASH_SCHEME_VERSION,

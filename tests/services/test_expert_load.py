@@ -21,10 +21,10 @@ from common.experts.stats import coefficient_of_variation, imbalance
 from common.index import keys
 from common.index.expert_load import ExpertLoadStore, models, read_model
 from common.telemetry.metrics import Samples
-from common.worker.config import WorkerConfig
-from common.worker.expert_load import ExpertLoadTracker
-from common.worker.runtime import WorkerRuntime
 from pdserve.cli import main as cli_main
+from services.worker.config import WorkerConfig
+from services.worker.expert_load import ExpertLoadTracker
+from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_moe_checkpoint, random_prompts
 from tests.redis_server import redis_server
 

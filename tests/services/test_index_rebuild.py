@@ -30,10 +30,10 @@ from common.index.prefix_index import PrefixIndex
 from common.index.registry import WorkerRegistry
 from common.kv.block_store_client import BlockStoreClient
 from common.kv.layout import KvLayout
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_checkpoint
 from tests.polling import until_async
 
@@ -204,7 +204,7 @@ def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
     TTL (a big prefill chunk on a busy CPU) must not drop the worker from routing: the beat
     goes on with the last figures. An engine silent past ENGINE_SILENCE_LIMIT_S is stuck,
     and then the entry expires."""
-    from common.worker import runtime as runtime_module
+    from services.worker import index_sync
 
     async def body() -> None:
         async with registered_worker(tiny_dir, redis_server.url, "decode", 3) as worker:
@@ -218,7 +218,7 @@ def test_a_worker_mid_long_engine_step_keeps_heartbeating_a_stuck_one_stops(
             await busy
 
             # Now a stuck engine: past the limit the beats stop and the entry expires.
-            monkeypatch.setattr(runtime_module, "ENGINE_SILENCE_LIMIT_S", 0.5)
+            monkeypatch.setattr(index_sync, "ENGINE_SILENCE_LIMIT_S", 0.5)
             stuck = asyncio.ensure_future(runtime.loop.call(lambda engine: time.sleep(6.0)))
             stuck_at = time.monotonic()
 

@@ -22,9 +22,6 @@ from common.engine.config import EngineConfig
 from common.kv.hashing import HASH_SCHEME_VERSION
 from common.rpc.errors import reason_of
 from common.rpc.server import Server, create_server
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
-from common.worker.serve import start_worker
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.kv.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -33,6 +30,9 @@ from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
 from services.decode.server import add_servicers as decode_servicers
 from services.prefill.server import add_servicers as prefill_servicers
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
+from services.worker.serve import start_worker
 from tests.factories import make_tiny_checkpoint
 
 PROMPT = list(range(3, 56))  # 53 tokens: 3 full blocks of 16 and a partial one

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
-from common.worker.serve import start_worker
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
 from services.prefill.server import add_servicers as prefill_servicers
+from services.worker.serve import start_worker
 from tests.services.test_kv_load_fallback import (
     MAX_TOKENS,
     PROMPT,

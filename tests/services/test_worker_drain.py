@@ -17,12 +17,12 @@ import pytest
 from common.engine.config import EngineConfig
 from common.rpc.channels import create_channel
 from common.rpc.errors import reason_of
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
-from common.worker.serve import drain_worker, start_worker
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.decode.server import add_servicers
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
+from services.worker.serve import drain_worker, start_worker
 from tests.factories import make_tiny_checkpoint
 
 PROMPT = list(range(3, 40))

@@ -16,12 +16,12 @@ from common.engine.engine import Engine
 from common.heap import freeze_startup_heap
 from common.telemetry import metrics as telemetry_metrics
 from common.telemetry.metrics import RequestMetrics, Samples, scrape, start_metrics_server
-from common.worker import metrics as worker_metrics
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
 from pdserve.commands.status import summarize
 from services.blockstore.metrics import BlockStoreMetrics
 from services.blockstore.store import BlockStore
+from services.worker import metrics as worker_metrics
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_checkpoint
 
 

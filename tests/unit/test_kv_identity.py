@@ -301,7 +301,7 @@ def test_gateway_never_prefills_on_another_format(smollm_dir: Path) -> None:
 
 
 def _worker_config(ckpt: Path, role: str, quantization: str) -> Any:
-    from common.worker.config import WorkerConfig
+    from services.worker.config import WorkerConfig
 
     engine = EngineConfig(
         model=str(ckpt), num_kv_blocks=64, block_size=16, device="cpu", dtype="float32",
@@ -313,11 +313,11 @@ def _worker_config(ckpt: Path, role: str, quantization: str) -> Any:
 def test_decode_worker_refuses_a_handle_of_another_format(ckpt: Path) -> None:
     """A float prefill worker's handle sent to an int4 decode worker: FAILED_PRECONDITION,
     naming both formats; an int4 prefill worker's handle: pulled and decoded."""
-    from common.worker.serve import start_worker
     from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
     from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
     from services.decode.server import add_servicers as decode_servicers
     from services.prefill.server import add_servicers as prefill_servicers
+    from services.worker.serve import start_worker
 
     def sampled(message: Any) -> Any:
         message.sampling.max_tokens = 5

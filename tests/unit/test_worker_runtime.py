@@ -15,8 +15,8 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, EngineStats, RequestOutput
 from common.errors import AlreadyExistsError
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_checkpoint
 from tests.polling import settle_async
 

@@ -28,7 +28,7 @@ from common.telemetry.metrics import (
     RequestMetrics,
     metric_name,
 )
-from common.worker.expert_load import ExpertLoadCollector, ExpertLoadTracker
+from services.worker.expert_load import ExpertLoadCollector, ExpertLoadTracker
 
 log = logging.getLogger(__name__)
 

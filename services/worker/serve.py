@@ -19,9 +19,9 @@ from common.engine.engine import Engine
 from common.kv.transfer import KvTransferServicer
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, Started, create_server, serve_process
-from common.worker.config import WorkerConfig
-from common.worker.runtime import WorkerRuntime
 from pdserve.kv.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
