@@ -30,6 +30,7 @@ from kernels.checks import (
     next_pow2,
 )
 from kernels.paged_attention_ref import attend_ref, gather_kv_ref
+from kernels.paged_attention_tiles import load_kv_tile, scale_scores, scale_weights
 
 TILE_N = 64  # context tokens per inner iteration
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
@@ -92,28 +93,19 @@ def _decode_kernel(
     for tile_start in range(lo, hi, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [TILE]
         pos_mask = pos < hi
-        page = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        slot = page * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_offs = slot[:, None] * row_size + kv_head * head_dim + d[None, :]  # [TILE, HEAD_DIM_PAD]
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-
+        page, k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, pos, pos_mask, kv_head, d, d_mask, row_size,
+            head_dim, q, BLOCK_SIZE,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE]
-        if QUANT:
-            k_s = tl.load(k_scale_ptr + page * num_kv_heads + kv_head, mask=pos_mask, other=0.0)
-            s = s * (k_s * qk_scale)[None, :]
-        else:
-            s = s * qk_scale
+        s = scale_scores(s, k_scale_ptr, page, pos_mask, kv_head, num_kv_heads, qk_scale, QUANT)
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         # pos[0] < hi inside the loop, so every row has a finite maximum.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, TILE]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            v_s = tl.load(v_scale_ptr + page * num_kv_heads + kv_head, mask=pos_mask, other=0.0)
-            p = p * v_s[None, :]
+        p = scale_weights(p, v_scale_ptr, page, pos_mask, kv_head, num_kv_heads, QUANT)
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv  # [GROUP_PAD, HEAD_DIM_PAD]
         m_i = m_new

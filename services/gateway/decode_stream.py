@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import WorkerBreakers
+from services.gateway.leases import LeaseReturns
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import (
     STALLED,
@@ -58,6 +59,7 @@ class DecodeStreamer:
         directory: WorkerDirectory,
         channels: ChannelPool,
         metrics: GatewayMetrics,
+        leases: LeaseReturns,
         model: str,
         max_migrations: int,
         breakers: WorkerBreakers,
@@ -72,6 +74,7 @@ class DecodeStreamer:
         self.directory = directory
         self.channels = channels
         self.metrics = metrics
+        self.leases = leases  # a prefill's lease goes back here when no decode took it
         self.model = model
         self.max_migrations = max_migrations
 
@@ -82,11 +85,10 @@ class DecodeStreamer:
         relay: Relay,
         sampling: SamplingParams,
         context: grpc.aio.ServicerContext,
-        release_handle: Callable[[common_pb2.KvHandle], None],
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Relays the request's tokens from ``worker``, and from the workers it migrates to,
-        until it finishes. ``request.kv_handle``'s lease is released with
-        ``release_handle`` when no decode worker took it."""
+        until it finishes. ``request.kv_handle``'s lease is handed back when no decode
+        worker took it."""
         handle = request.kv_handle if request.HasField("kv_handle") else None
         migrations = Migrations(self.max_migrations)
         attempt = _Attempt(0, account_cached=request.local_prefill)
@@ -98,7 +100,7 @@ class DecodeStreamer:
                     return
                 except StreamBroken as broken:
                     if handle is not None and not attempt.started:
-                        release_handle(handle)
+                        self.leases.handle(handle)
                     handle = None
                     migrations.broke(worker, broken)
                     if len(relay.generated) >= sampling.max_tokens:
@@ -118,7 +120,7 @@ class DecodeStreamer:
                     attempt = _Attempt(migrations.count, account_cached=False)
         finally:
             if handle is not None and not attempt.started:
-                release_handle(handle)
+                self.leases.handle(handle)
 
     async def _attempt(
         self,
@@ -137,7 +139,7 @@ class DecodeStreamer:
             worker.address,
             {"pdserve.worker_id": decode_id, "pdserve.migration.attempt": attempt.number},
         )
-        self.router.in_flight[decode_id] += 1
+        self.router.call_started(decode_id)
         try:
             stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
             dispatched_ms = (time.monotonic() - relay.arrival) * 1000
@@ -192,7 +194,7 @@ class DecodeStreamer:
             raise
         finally:
             span.end()
-            self.router.in_flight[decode_id] -= 1
+            self.router.call_ended(decode_id)
             if call is not None and not call.done():
                 call.cancel()
 

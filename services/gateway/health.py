@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+from common.index.registry import WorkerInfo
 from common.rpc.breaker import BreakerSet, CircuitState
 from services.gateway.metrics import GatewayMetrics
 
@@ -83,6 +84,10 @@ class WorkerBreakers(BreakerSet):
             )
         elif new is CircuitState.CLOSED:
             log.info("worker %s answers again: sending to it again", worker_id)
+
+    def usable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The workers whose circuit breaker lets a call through now."""
+        return [w for w in workers if self.allows(w.worker_id)]
 
     def keep_only(self, peers: Iterable[str]) -> None:
         before = set(self._breakers)

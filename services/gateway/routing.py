@@ -23,8 +23,10 @@ Every route names its reason (``Route.reason``, one of ``REASONS``): traces and 
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from common.errors import UnavailableError
@@ -70,10 +72,29 @@ class Router:
         self.local_prefill_tokens = local_prefill_tokens
         self.overlap_weight = overlap_weight
         self.policy = policy
-        self.in_flight: Counter[str] = Counter()  # calls in flight per worker
+        self._in_flight: Counter[str] = Counter()  # calls in flight per worker
         # Prompt tokens to compute in this gateway's prefill calls in flight, per worker.
-        self.in_flight_tokens: Counter[str] = Counter()
+        self._in_flight_tokens: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()  # round-robin position per role
+
+    def call_started(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        """One more call to ``worker_id`` in flight, making it compute ``prompt_tokens``:
+        counted in that worker's load (between its heartbeats) until ``call_ended``."""
+        self._in_flight[worker_id] += 1
+        self._in_flight_tokens[worker_id] += prompt_tokens
+
+    def call_ended(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        self._in_flight[worker_id] -= 1
+        self._in_flight_tokens[worker_id] -= prompt_tokens
+
+    @contextlib.contextmanager
+    def calling(self, worker_id: str, prompt_tokens: int = 0) -> Iterator[None]:
+        """``call_started`` ... ``call_ended`` around a block."""
+        self.call_started(worker_id, prompt_tokens)
+        try:
+            yield
+        finally:
+            self.call_ended(worker_id, prompt_tokens)
 
     def _next_in_turn(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
         ordered = sorted(workers, key=lambda w: w.worker_id)
@@ -145,7 +166,7 @@ class Router:
         """Tokens queued on ``w`` ahead of a new prompt. The worker's heartbeat counts every
         gateway's work but is up to an interval old; this gateway's own calls are counted
         the moment they start. The larger of the two is the estimate."""
-        return max(w.num_pending_tokens, self.in_flight_tokens[w.worker_id])
+        return max(w.num_pending_tokens, self._in_flight_tokens[w.worker_id])
 
     def weight_format(self, request_id: str, decodes: list[WorkerInfo]) -> str:
         """The weight format a request is served in when workers serve several (a fleet
@@ -166,7 +187,7 @@ class Router:
 
     def _decode_key(self, request_id: str, w: WorkerInfo) -> tuple[float, ...]:
         return (
-            w.num_running + self.in_flight[w.worker_id],
+            w.num_running + self._in_flight[w.worker_id],
             -w.num_kv_blocks_free,
             _tiebreak(request_id, w),
         )

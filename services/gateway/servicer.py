@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,13 +22,10 @@ from common.errors import (
     UnavailableError,
 )
 from common.index.prefix_index import PrefixIndex, prefix_overlap
-from common.index.registry import WorkerInfo
 from common.kv.hashing import HASH_SCHEME_VERSION, hash_prompt_blocks
-from common.kv.release import RELEASE_RETRY_S, release_lease
-from common.rpc.breaker import PEER_FAILURE_CODES, CircuitState
-from common.rpc.channels import ChannelPool, remaining_timeout
+from common.rpc.breaker import CircuitState
+from common.rpc.channels import ChannelPool
 from common.rpc.errors import rpc_method
-from common.rpc.tracing import client_span
 from common.telemetry.logs import bind_request_id
 from common.telemetry.tracing import tracer
 from common.text.detokenizer import IncrementalDetokenizer
@@ -38,15 +33,17 @@ from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.prefill.v1 import prefill_pb2
 from services.gateway.admission import Admission, Ticket, estimate_prompt_tokens
 from services.gateway.auth import tenant_cache_salt
 from services.gateway.config import GatewayConfig
-from services.gateway.decode_stream import DecodeStreamer, downstream_error
+from services.gateway.decode_stream import DecodeStreamer
 from services.gateway.directory import WorkerDirectory
 from services.gateway.frontend import check_sizes, prompt_token_ids
 from services.gateway.health import IndexHealth, WorkerBreakers
+from services.gateway.leases import LeaseReturns
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefill_call import PrefillCaller, RoutedRequest
 from services.gateway.relay import Relay
 from services.gateway.routing import Route, Router
 from services.gateway.status import cluster_status
@@ -54,25 +51,11 @@ from services.gateway.telemetry import describe_request, record_request, route_a
 
 log = logging.getLogger(__name__)
 
-PREFILL_METHOD = "/pdserve.prefill.v1.PrefillService/Prefill"
-
-# A prefill call that ends with one of these moves on to another worker: the worker died,
-# reset the connection, crashed mid-call or was stopped under it.
-_PREFILL_FAILOVER_CODES = PEER_FAILURE_CODES | {grpc.StatusCode.CANCELLED}
-# ... and after these it may have pinned KV under the lease id we chose: release it.
-_MAY_HOLD_KV = _PREFILL_FAILOVER_CODES | {grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
 _CIRCUIT_STATES = {
     CircuitState.CLOSED: gateway_pb2.CIRCUIT_STATE_CLOSED,
     CircuitState.OPEN: gateway_pb2.CIRCUIT_STATE_OPEN,
     CircuitState.HALF_OPEN: gateway_pb2.CIRCUIT_STATE_HALF_OPEN,
 }
-
-
-class _PrefillFailed(Exception):
-    """A prefill worker failed the call in a way another worker (or the decode worker) may
-    not: unreachable, reset, crashed, or silent past --prefill-timeout-s."""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -108,11 +91,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             config.routing_policy,
         )
         self.channels = ChannelPool(config.tls)
+        self.leases = LeaseReturns(self.channels)
+        self.prefiller = PrefillCaller(
+            self.router,
+            directory,
+            self.channels,
+            self.breakers,
+            metrics,
+            self.leases,
+            self.model,
+            config.prefill_timeout_s,
+        )
         self.decoder = DecodeStreamer(
             self.router,
             directory,
             self.channels,
             metrics,
+            self.leases,
             self.model,
             config.max_migrations,
             self.breakers,
@@ -128,7 +123,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.num_in_flight = 0
         metrics.num_requests_running.set_function(lambda: self.num_in_flight)
         self._request_ids: set[str] = set()  # of the requests in flight
-        self._background: set[asyncio.Task[Any]] = set()
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
@@ -247,9 +241,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             span.set_attributes(route_attributes(route))
             # aclosing: when the client goes away, _run's cleanup (lease release, cancelling
             # the decode call) runs now, not whenever the generator is collected.
-            async with contextlib.aclosing(
-                self._run(route, overlap, relay, sampling, salt, context)
-            ) as messages:
+            routed = RoutedRequest(route, overlap, relay, sampling, salt, context)
+            async with contextlib.aclosing(self._run(routed)) as messages:
                 async for message in messages:
                     yield message
         except BaseException as exc:
@@ -299,8 +292,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 request_id,
                 len(prompt),
                 overlap,
-                self._usable(prefills),
-                self._usable(decodes) or decodes,  # all failing: try them all the same
+                self.breakers.usable(prefills),
+                self.breakers.usable(decodes) or decodes,  # all failing: try them all the same
             )
             self.breakers.acquire(route.decode.worker_id)
             if route.prefill is not None:
@@ -310,29 +303,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.metrics.routed(route.reason)
         return route, overlap
 
-    def _usable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
-        """The workers whose circuit breaker lets a call through now."""
-        return [w for w in workers if self.breakers.allows(w.worker_id)]
-
     async def _run(
-        self,
-        route: Route,
-        overlap: dict[str, int],
-        relay: Relay,
-        sampling: SamplingParams,
-        salt: str | None,
-        context: grpc.aio.ServicerContext,
+        self, routed: RoutedRequest
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """Prefill (with failover), then decode (with migration); the prefill's lease goes
+        to the decode hop, or back to its producer when the request ends before that."""
+        route, relay, sampling = routed.route, routed.relay, routed.sampling
         decode_request = decode_pb2.DecodeRequest(
             request_id=relay.request_id,
             prompt_token_ids=relay.prompt,
-            cache_salt=salt or "",
+            cache_salt=routed.salt or "",
         )
         sampling.to_pb(decode_request.sampling)
         first: gateway_pb2.GenerateResponse | None = None
         prefilled = None
         if route.prefill is not None:
-            prefilled = await self._prefill_failover(route, overlap, relay, sampling, salt, context)
+            prefilled = await self.prefiller.prefill(routed)
         if prefilled is None:
             decode_request.local_prefill = True
         else:
@@ -357,7 +343,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 yield first
             decoding = True
             decode = self.decoder.stream(
-                route.decode, decode_request, relay, sampling, context, self._release_later
+                route.decode, decode_request, relay, sampling, routed.context
             )
             # aclosing: the decode call is cancelled (and an unused lease released) as soon
             # as the client goes away.
@@ -366,154 +352,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     yield reply
         finally:
             if prefilled is not None and not decoding:
-                self._release_later(prefilled.kv_handle)
-
-    async def _prefill_failover(
-        self,
-        route: Route,
-        overlap: dict[str, int],
-        relay: Relay,
-        sampling: SamplingParams,
-        salt: str | None,
-        context: grpc.aio.ServicerContext,
-    ) -> prefill_pb2.PrefillResponse | None:
-        """The prompt prefilled on ``route.prefill``; when that worker fails (unreachable,
-        connection reset, crashed, or silent past --prefill-timeout-s), on the best prefill
-        worker not tried yet whose breaker lets calls through, and so on. None when none is
-        left: then the decode worker prefills the prompt itself (it runs the whole engine)."""
-        worker = route.prefill
-        tried: set[str] = set()
-        while worker is not None:
-            try:
-                return await self._prefill(worker, overlap, relay, sampling, salt, context)
-            except _PrefillFailed as failure:
-                tried.add(worker.worker_id)
-                failed = worker
-                candidates = [
-                    w
-                    for w in self._usable(await self.directory.by_role("prefill", self.model))
-                    if w.worker_id not in tried and w.weights == route.decode.weights
-                ]
-                worker = (
-                    self.router.best_prefill(
-                        relay.request_id, len(relay.prompt), overlap, candidates
-                    )
-                    if candidates
-                    else None
-                )
-                if worker is not None:
-                    self.breakers.acquire(worker.worker_id)
-                self.metrics.prefill_failovers.labels("prefill" if worker else "decode").inc()
-                next_hop = (
-                    f"prefill worker {worker.worker_id}"
-                    if worker is not None
-                    else f"decode worker {route.decode.worker_id} (local prefill)"
-                )
-                log.warning(
-                    "request %s: prefill on %s failed (%s); moving to %s",
-                    relay.request_id,
-                    failed.worker_id,
-                    failure,
-                    next_hop,
-                )
-                trace.get_current_span().add_event(
-                    "prefill_failover",
-                    {
-                        "pdserve.worker_id": failed.worker_id,
-                        "pdserve.error": str(failure),
-                        "pdserve.next": next_hop,
-                    },
-                )
-        return None
-
-    async def _prefill(
-        self,
-        worker: WorkerInfo,
-        overlap: dict[str, int],
-        relay: Relay,
-        sampling: SamplingParams,
-        salt: str | None,
-        context: grpc.aio.ServicerContext,
-    ) -> prefill_pb2.PrefillResponse:
-        """One prefill call. Raises _PrefillFailed when the worker failed (rather than
-        answered), our errors when it answered with one."""
-        # Our own lease id: if we give up on the call, we can still release what it pinned.
-        lease_id = f"lease-{secrets.token_hex(8)}"
-        request = prefill_pb2.PrefillRequest(
-            request_id=relay.request_id,
-            prompt_token_ids=relay.prompt,
-            cache_salt=salt or "",
-            lease_id=lease_id,
-        )
-        sampling.to_pb(request.sampling)
-        channel = self.channels.get(worker.address)
-        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        # The tokens this call makes the worker compute, as routing estimated them.
-        work = len(relay.prompt) - self.router.cached_tokens(len(relay.prompt), overlap, worker)
-        self.router.in_flight[worker.worker_id] += 1
-        self.router.in_flight_tokens[worker.worker_id] += work
-        relay.queue_ms = (time.monotonic() - relay.arrival) * 1000
-        hop = self.config.prefill_timeout_s or None
-        left = remaining_timeout(context)
-        timeout = left if hop is None else hop if left is None else min(left, hop)
-        hop_bound = hop is not None and (left is None or hop < left)
-        with client_span(
-            PREFILL_METHOD, worker.address, {"pdserve.worker_id": worker.worker_id}
-        ) as span:
-            call = stub.Prefill(request, timeout=timeout, metadata=span.metadata)
-            try:
-                response: prefill_pb2.PrefillResponse = await call
-            except grpc.aio.AioRpcError as exc:
-                span.failed(exc)
-                code = exc.code()
-                if code in _MAY_HOLD_KV:
-                    # Released (or tombstoned) once the worker answers, if it ever does.
-                    self._in_background(
-                        release_lease(channel, lease_id, retry_for_s=RELEASE_RETRY_S)
-                    )
-                if code is grpc.StatusCode.DEADLINE_EXCEEDED and hop_bound:
-                    self.breakers.failure(worker.worker_id)
-                    raise _PrefillFailed(f"no answer within --prefill-timeout-s {hop:g}") from exc
-                if code in _PREFILL_FAILOVER_CODES:
-                    if code in PEER_FAILURE_CODES:
-                        self.breakers.failure(worker.worker_id)
-                    raise _PrefillFailed(f"{code.name}: {exc.details()}") from exc
-                self.breakers.success(worker.worker_id)  # it answered, about the request
-                raise downstream_error(exc, f"prefill worker {worker.worker_id}") from exc
-            except asyncio.CancelledError:
-                call.cancel()
-                # Released whether or not the lease exists yet: the worker remembers.
-                self._in_background(release_lease(channel, lease_id, retry_for_s=RELEASE_RETRY_S))
-                raise
-            finally:
-                self.router.in_flight[worker.worker_id] -= 1
-                self.router.in_flight_tokens[worker.worker_id] -= work
-            self.breakers.success(worker.worker_id)
-            span.span.set_attributes(
-                {
-                    "pdserve.cached_tokens": response.cached_tokens,
-                    "pdserve.computed_tokens": response.computed_tokens,
-                }
-            )
-        relay.queue_ms += response.queue_ms
-        return response
-
-    async def _release(self, handle: common_pb2.KvHandle) -> None:
-        await release_lease(
-            self.channels.get(handle.producer_address),
-            handle.lease_id,
-            retry_for_s=RELEASE_RETRY_S,
-            expiry_unix_ms=handle.lease_expiry_unix_ms,
-        )
-
-    def _release_later(self, handle: common_pb2.KvHandle) -> None:
-        """Hands a lease back when no decode will pull it (cancellation, early stop)."""
-        self._in_background(self._release(handle))
-
-    def _in_background(self, coro: Coroutine[Any, Any, object]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                self.leases.handle(prefilled.kv_handle)
 
     # -- the other RPCs -----------------------------------------------------------------------
 
@@ -581,8 +420,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     async def close(self) -> None:
-        for task in list(self._background):
-            await asyncio.wait([task], timeout=2.0)
+        await self.leases.close()
         await self.channels.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -99,7 +99,8 @@ def test_choose_decode_takes_the_least_loaded() -> None:
     router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
     busy, idle = worker("d0", 1, running=5), worker("d1", 2, running=1)
     assert router.choose_decode("r", [busy, idle]) is idle
-    router.in_flight["d1"] += 9
+    for _ in range(9):
+        router.call_started("d1")
     assert router.choose_decode("r", [busy, idle]) is busy
     with pytest.raises(UnavailableError):
         router.choose_decode("r", [])

@@ -71,11 +71,11 @@ def test_requests_sharing_a_prefix_spread_once_its_holder_is_busier_than_it_save
         chosen.append(route.prefill.worker_id)
         # Start the call as the servicer does: its work is what p1 would not have cached.
         cached = router.cached_tokens(544, {"p1": 32}, route.prefill)
-        router.in_flight_tokens[route.prefill.worker_id] += 544 - cached
+        router.call_started(route.prefill.worker_id, 544 - cached)
     # p1 computes 32 per request; p0 544. p1 takes requests until 32 * k > 512, p0 then
     # takes one, and so on. With 6 calls in flight none has finished: p1 gets them all.
     assert chosen == ["p1"] * 6
-    router.in_flight_tokens["p1"] = 600  # a long unrelated prompt queued on p1
+    router.call_started("p1", 600 - 6 * 32)  # a long unrelated prompt queued on p1: 600 in all
     route = router.choose("r-next", 544, {"p1": 32}, prefills, decodes)
     assert route.prefill is not None and route.prefill.worker_id == "p0"
 
@@ -84,7 +84,7 @@ def test_pending_tokens_take_the_larger_of_heartbeat_and_calls_in_flight() -> No
     router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
     w = worker("p0", "prefill", pending_tokens=300)
     assert router.pending_tokens(w) == 300
-    router.in_flight_tokens["p0"] = 500  # sent since the last heartbeat
+    router.call_started("p0", 500)  # sent since the last heartbeat
     assert router.pending_tokens(w) == 500
     # The last token of a fully cached prompt is computed all the same.
     assert router.cached_tokens(64, {"p0": 4}, w) == 63
@@ -110,7 +110,8 @@ def test_decode_picks_the_least_loaded_then_most_free() -> None:
     ]
     route = router.choose("r", 400, {}, [worker("p0", "prefill")], decodes)
     assert route.decode.worker_id == "d2"
-    router.in_flight["d2"] += 5
+    for _ in range(5):
+        router.call_started("d2")
     assert router.choose("r", 400, {}, [worker("p0", "prefill")], decodes).decode.worker_id == "d1"
 
 
