@@ -210,7 +210,7 @@ def llama_server(
     binary: Path, gguf: str, threads: int, parallel: int, ctx: int, logs: Path,
     extra: Sequence[str],
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], list[str]]]:  # fmt: skip
-    from pdserve.launcher import free_port
+    from pdserve.cli.launcher import free_port
 
     port = free_port()
     argv = [str(binary), "-m", gguf, "-t", str(threads), "--parallel", str(parallel),
@@ -377,7 +377,7 @@ def wait_registered(target: str, env: dict[str, str], num_workers: int) -> None:
 def pdserve_stack(run_dir: Path, up_args: Sequence[str]) -> Iterator[tuple[str, dict[str, str]]]:
     """``pdserve up --detach`` in a run directory of its own (so it meets no other stack on
     this machine), on a free port; ``pdserve down`` at the end."""
-    from pdserve.launcher import free_port
+    from pdserve.cli.launcher import free_port
 
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     port = free_port()
@@ -412,7 +412,7 @@ def process_memory(pid: int) -> dict[str, float]:
 def stack_memory(target: str, env: dict[str, str], run_dir: Path) -> dict[str, dict[str, float]]:
     """Each process's memory: the pids ``pdserve status --json`` reports, and redis-server
     from the stack's record (it is not in the worker registry)."""
-    from pdserve.launcher import StackState
+    from pdserve.cli.launcher import StackState
 
     pids = {str(w["id"]): int(w["pid"]) for w in status_json(target, env) if w.get("pid")}
     state = StackState.load(run_dir / "stack.json")

@@ -134,7 +134,7 @@ def engine_run(
 
 
 def _serve_kv(num_blocks: int, port_queue: mp.Queue, tuned: bool = True) -> None:
-    if tuned:  # as every pdserve process does at start (pdserve/cli.py)
+    if tuned:  # as every pdserve process does at start (pdserve/cli/main.py)
         from common.heap import tune_malloc
 
         tune_malloc()
@@ -290,7 +290,7 @@ def main() -> None:
     env = {**os.environ, "PDSERVE_RUN_DIR": run_dir}
     target = args.target
     if target is None:
-        from pdserve.launcher import free_port
+        from pdserve.cli.launcher import free_port
 
         port = free_port()
         subprocess.run([sys.executable, "-m", "pdserve", "up", "--detach", "--port", str(port),

@@ -289,7 +289,7 @@ async def soak(
 async def blocks_free_after(target: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """Each prefill and decode worker's free/total KV blocks once the load is over (polled
     until all are free, or ``timeout_s``)."""
-    from pdserve.commands.status import fetch
+    from pdserve.cli.commands.status import fetch
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -308,7 +308,7 @@ async def blocks_free_after(target: str, timeout_s: float = 30.0) -> list[dict[s
 def local_stack(run_dir: Path, up_args: Sequence[str]) -> Iterator[tuple[str, dict[str, int]]]:
     """``pdserve up --detach`` in ``run_dir``: (gateway address, name -> pid); ``pdserve
     down`` at the end."""
-    from pdserve.launcher import free_port
+    from pdserve.cli.launcher import free_port
 
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     port = free_port()
@@ -324,7 +324,7 @@ def local_stack(run_dir: Path, up_args: Sequence[str]) -> Iterator[tuple[str, di
 
 
 def stack_processes(run_dir: Path) -> dict[str, int]:
-    from pdserve.launcher import StackState
+    from pdserve.cli.launcher import StackState
 
     state = StackState.load(run_dir / "stack.json")
     if state is None:

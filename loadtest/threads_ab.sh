@@ -14,7 +14,7 @@ pdserve=.venv/bin/pdserve
 for arm in shared every-core; do
   flags=()
   if [ "$arm" = every-core ]; then flags=(--threads-per-worker 0); fi
-  port=$(.venv/bin/python -c 'from pdserve.launcher import free_port; print(free_port())')
+  port=$(.venv/bin/python -c 'from pdserve.cli.launcher import free_port; print(free_port())')
   export PDSERVE_RUN_DIR="$out/stack-$arm"
   $pdserve up --detach --port "$port" --prefill 2 --decode 2 --kv-cache-memory 256MiB "${flags[@]}"
   trap '$pdserve down >/dev/null' EXIT

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.launcher import (
+from pdserve.cli.launcher import (
     Child,
     free_port,
     spawn,
@@ -170,7 +170,7 @@ def wait_workers_registered(target: str, num_workers: int, timeout_s: float = 30
     """Until the gateway sees every engine worker in the registry."""
     import asyncio
 
-    from pdserve.commands.status import fetch
+    from pdserve.cli.commands.status import fetch
 
     deadline = time.monotonic() + timeout_s
     while True:

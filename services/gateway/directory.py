@@ -12,6 +12,7 @@ before the outage stay listed next to those read.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from common.errors import UnavailableError
 from common.index.registry import WorkerInfo, WorkerRegistry
@@ -27,7 +28,9 @@ class WorkerDirectory:
         refresh_s: float,
         health: IndexHealth | None = None,
         recovery_grace_s: float = RECOVERY_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.registry = registry
         self.refresh_s = refresh_s
         self.health = health
@@ -39,7 +42,7 @@ class WorkerDirectory:
         self._recovered_at = -1e9  # monotonic time the first read after an outage succeeded
 
     async def workers(self) -> list[WorkerInfo]:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._read_at < self.refresh_s:
             return self._workers
         if self._ever_read and self.health is not None and not self.health.should_try():
@@ -56,7 +59,7 @@ class WorkerDirectory:
 
     async def refresh(self) -> list[WorkerInfo]:
         """Reads the registry now; raises when Redis cannot be read (noted in health)."""
-        now = time.monotonic()
+        now = self.clock()
         try:
             read = await self.registry.list()
         except Exception as exc:

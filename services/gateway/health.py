@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.index.registry import WorkerInfo
 from common.rpc.breaker import BreakerSet, CircuitState
@@ -27,7 +27,13 @@ INDEX_RETRY_S = 1.0
 
 
 class IndexHealth:
-    def __init__(self, metrics: GatewayMetrics, retry_s: float = INDEX_RETRY_S) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        retry_s: float = INDEX_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
         self.metrics = metrics
         self.retry_s = retry_s
         self.available = True
@@ -38,7 +44,7 @@ class IndexHealth:
 
     def should_try(self) -> bool:
         """Whether to call Redis now: always while it answers, else once per retry_s."""
-        return self.available or time.monotonic() >= self._retry_at
+        return self.available or self.clock() >= self._retry_at
 
     def ok(self) -> None:
         self.metrics.redis.ok()
@@ -54,7 +60,7 @@ class IndexHealth:
 
     def failed(self, operation: str, exc: BaseException) -> None:
         self.metrics.redis.failed(operation)
-        self._retry_at = time.monotonic() + self.retry_s
+        self._retry_at = self.clock() + self.retry_s
         self.error = f"{operation}: {type(exc).__name__}: {exc}"
         if self.available:
             log.warning(
@@ -67,9 +73,15 @@ class IndexHealth:
 
 
 class WorkerBreakers(BreakerSet):
-    def __init__(self, metrics: GatewayMetrics, failure_threshold: int, cooldown_s: float) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        failure_threshold: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.metrics = metrics
-        super().__init__(failure_threshold, cooldown_s, on_change=self._changed)
+        super().__init__(failure_threshold, cooldown_s, clock=clock, on_change=self._changed)
 
     def _changed(self, worker_id: str, old: CircuitState, new: CircuitState) -> None:
         self.metrics.circuit_open.labels(worker_id).set(0 if new is CircuitState.CLOSED else 1)

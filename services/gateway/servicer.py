@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,7 +70,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         gateway_id: str,
         address: str,
         metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the circuit breakers' (tests move it instead of waiting cool-downs)."""
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
@@ -82,7 +85,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.health = directory.health or IndexHealth(metrics)
         directory.health = self.health
         self.breakers = WorkerBreakers(
-            metrics, config.breaker_failure_threshold, config.breaker_cooldown_s
+            metrics, config.breaker_failure_threshold, config.breaker_cooldown_s, clock
         )
         self.router = Router(
             config.block_size,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from common.engine.config import parse_memory_budget
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 from tests.deploy.rendering import VARIANTS, containers, render
 
 # What Kubernetes substitutes for $(VAR) when the container starts.

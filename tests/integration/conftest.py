@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import pytest
 
-from pdserve.launcher import Child, StackState, free_port
+from pdserve.cli.launcher import Child, StackState, free_port
 from tests.polling import settle
 from tests.telemetry.otlp_receiver import OtlpReceiver
 
@@ -36,7 +36,7 @@ class Stack:
         )  # fmt: skip
 
     def workers(self) -> list[dict]:
-        from pdserve.commands.status import fetch
+        from pdserve.cli.commands.status import fetch
 
         return asyncio.run(fetch(self.target))
 

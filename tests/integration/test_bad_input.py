@@ -28,14 +28,15 @@ from common.contract.sampling import SamplingParams
 from common.errors import InvalidRequestError
 from common.index.registry import WorkerInfo, WorkerRegistry
 from common.rpc.errors import reason_of, retry_delay_ms
+from pdserve.cli.launcher import StackState
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from pdserve.launcher import StackState
 from services.gateway.config import GatewayConfig
 from services.gateway.server import start_gateway, stop_gateway
 from services.gateway.servicer import GatewayServicer
 from tests.integration.conftest import Stack
+from tests.polling import settle_async, until_async
 from tests.prompts import prompt_with_context
 
 pytestmark = pytest.mark.slow
@@ -272,9 +273,10 @@ async def queue_full_rejection(busy: GatewayServicer) -> tuple[grpc.aio.AioRpcEr
     async with grpc.aio.insecure_channel(busy.address) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         holder = stub.Generate(hello(max_tokens=200, temperature=0.0, ignore_eos=True))
-        deadline = time.monotonic() + 30
-        while busy.num_in_flight < 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        async def holding() -> bool:
+            return busy.num_in_flight >= 1
+
+        await until_async("the first request is in flight", holding, 30.0, every_s=0.01)
         start = time.monotonic()
         error = await rejection(stub, hello(max_tokens=4))
         elapsed = time.monotonic() - start
@@ -409,13 +411,17 @@ def test_a_request_id_in_flight_is_already_exists(stack: Stack) -> None:
             await anext(aiter(first))  # in flight: a token came
             duplicate = await rejection(stub, with_id(request_id))
             first.cancel()
-            deadline = time.monotonic() + 10  # the gateway hears of the cancel by then
-            while True:
-                again = await rejection(stub, with_id(request_id))
-                busy = again is not None and again.code() is grpc.StatusCode.ALREADY_EXISTS
-                if not busy or time.monotonic() > deadline:
-                    return duplicate, again
-                await asyncio.sleep(0.1)
+
+
+            def still_busy(again: grpc.aio.AioRpcError | None) -> bool:
+                return again is not None and again.code() is grpc.StatusCode.ALREADY_EXISTS
+
+            # The gateway hears of the cancel within 10 s.
+            again = await settle_async(
+                lambda: rejection(stub, with_id(request_id)),
+                lambda again: not still_busy(again), 10.0, every_s=0.1,
+            )  # fmt: skip
+            return duplicate, again
 
     duplicate, again = asyncio.run(run())
     assert duplicate is not None and duplicate.code() is grpc.StatusCode.ALREADY_EXISTS
@@ -428,9 +434,11 @@ def test_full_admission_is_resource_exhausted_at_once(stack: Stack) -> None:
     async def run() -> tuple[grpc.aio.AioRpcError | None, float, grpc.aio.AioRpcError | None]:
         async with in_process_gateway(stack, redis_url(stack), max_in_flight=1) as busy:
             error, elapsed = await queue_full_rejection(busy)
-            deadline = time.monotonic() + 30
-            while busy.num_in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+
+            async def idle() -> bool:
+                return busy.num_in_flight == 0
+
+            await until_async("the first request has ended", idle, 30.0)
             async with grpc.aio.insecure_channel(busy.address) as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
                 later = await rejection(stub, hello(max_tokens=4))

@@ -41,10 +41,10 @@ from common.index import redis_client
 from common.index.prefix_index import PrefixIndex
 from common.kv.hashing import hash_prompt_blocks
 from common.telemetry.metrics import Samples, scrape
+from pdserve.cli.launcher import Child, StackState, start_redis, wait_redis
 from pdserve.client import GatewayClient
-from pdserve.launcher import Child, StackState, start_redis, wait_redis
 from tests.integration.conftest import Stack, up_stack
-from tests.polling import until
+from tests.polling import settle_async, until, until_async
 from tests.prompts import QUESTIONS, passage
 
 pytestmark = pytest.mark.slow
@@ -183,10 +183,12 @@ class Load:
         """Waits ``at_least_s``, and until every lane completed a request (a busy machine
         can be slow to answer the first ones)."""
         await asyncio.sleep(at_least_s)
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        while len(self.outcomes) < LANES:
-            assert time.monotonic() < deadline, "the stack answers no request"
-            await asyncio.sleep(0.1)
+
+        async def every_lane_answered() -> bool:
+            return len(self.outcomes) >= LANES
+
+        await until_async("every lane completed a request", every_lane_answered,
+                          REQUEST_TIMEOUT_S, every_s=0.1)  # fmt: skip
         assert not self.failures(), self.failures()
 
     def failures(self) -> list[str]:
@@ -221,9 +223,11 @@ async def under_load(
     fault()
     hit = time.monotonic()
     await asyncio.sleep(window_s)
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    while len(load.started_after(hit)) < LANES and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+
+    async def lanes_started() -> int:
+        return len(load.started_after(hit))
+
+    await settle_async(lanes_started, lambda n: n >= LANES, REQUEST_TIMEOUT_S, every_s=0.1)
     load.stop()
     await asyncio.wait_for(runner, REQUEST_TIMEOUT_S + 30)
     return load, hit

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from pdserve.cli.launcher import StackState
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -31,7 +32,6 @@ from pdserve.kv.v1 import (
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
 )
-from pdserve.launcher import StackState
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.fuzz.strategies import messages, mostly
 from tests.integration.conftest import Stack

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from common.contract.sampling import SamplingParams
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient, RemoteCompletion
 from tests.integration.conftest import ObservedStack
+from tests.polling import settle
 
 pytestmark = pytest.mark.slow
 
@@ -62,16 +62,16 @@ def test_counts_after_a_known_workload(observed_stack: ObservedStack) -> None:
     def settled() -> dict[str, Samples]:
         """After the background puts to the block store (A's prompt blocks from the prefill
         worker, C's first block written behind by the decode worker) and lease release."""
-        deadline = time.monotonic() + 15
-        while True:
-            now = {name: scrape(url) for name, url in urls.items() if url}
+
+        def done(now: dict[str, Samples]) -> bool:
             put = Delta(before["blockstore"], now["blockstore"])(
                 "pdserve:grpc_server_handled_total", grpc_method="CommitPut"
             )
-            leases = now["prefill-0"].sum("pdserve:kv_leases_active")
-            if (put == 2 and leases == 0) or time.monotonic() > deadline:
-                return now
-            time.sleep(0.1)
+            return put == 2 and now["prefill-0"].sum("pdserve:kv_leases_active") == 0
+
+        return settle(
+            lambda: {name: scrape(url) for name, url in urls.items() if url}, done, 15.0, 0.1
+        )
 
     after = settled()
     gateway, prefill, decode, store = (Delta(before[n], after[n]) for n in NAMES)

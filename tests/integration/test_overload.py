@@ -27,8 +27,8 @@ import pytest
 
 from common.contract.sampling import SamplingParams
 from common.rpc.errors import retry_delay_ms
+from pdserve.cli.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from pdserve.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving
 from tests.integration.conftest import Stack
 from tests.integration.test_cancellation import assert_everything_free
 from tests.prompts import prompt_with_context

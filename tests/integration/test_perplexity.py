@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 
 pytestmark = pytest.mark.slow
 

@@ -29,11 +29,11 @@ from common.contract.sampling import SamplingParams
 from common.rpc.errors import reason_of
 from common.rpc.pki import make_ca
 from common.rpc.tls import TlsConfig
+from pdserve.cli.launcher import StackState, free_port
 from pdserve.client import GatewayClient
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
-from pdserve.launcher import StackState, free_port
 from services.gateway.auth import tenant_cache_salt
 from tests.integration.conftest import Stack
 from tests.prompts import prompt_with_context

@@ -9,7 +9,7 @@ import pytest
 
 from loadtest import scenarios
 from loadtest.scenarios.cluster import ClusterSpec, GatewaySpec, pinned
-from pdserve.commands import bench
+from pdserve.cli.commands import bench
 
 
 def test_pinned_runs_on_the_named_cpus_with_as_many_threads() -> None:

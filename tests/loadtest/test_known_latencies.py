@@ -18,7 +18,7 @@ from loadtest.backends.openai_http import OpenAIHttpBackend
 from loadtest.datasets.base import SampleRequest
 from loadtest.metrics import calculate_metrics
 from loadtest.runner import LoadConfig, run_load
-from pdserve.commands import bench
+from pdserve.cli.commands import bench
 from tests.loadtest.fakes import (
     FAIL_MIDWAY_TOKEN,
     FAIL_TOKEN,

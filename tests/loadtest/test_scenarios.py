@@ -15,7 +15,7 @@ import pytest
 from loadtest.scenarios import SCENARIOS, run_scenarios
 from loadtest.scenarios.cluster import LLAMA_CPP_MISSING, ClusterPool, llama_cpp_command
 from loadtest.scenarios.common import SMALL_CLUSTER, ScenarioOptions
-from pdserve.commands import bench
+from pdserve.cli.commands import bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

@@ -21,11 +21,12 @@ from common.experts.stats import coefficient_of_variation, imbalance
 from common.index import keys
 from common.index.expert_load import ExpertLoadStore, models, read_model
 from common.telemetry.metrics import Samples
-from pdserve.cli import main as cli_main
+from pdserve.cli.main import main as cli_main
 from services.worker.config import WorkerConfig
 from services.worker.expert_load import ExpertLoadTracker
 from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_moe_checkpoint, random_prompts
+from tests.polling import settle_async
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.redis
@@ -173,17 +174,17 @@ def test_worker_publishes_what_its_engine_counted(
             engine_counts = await runtime.loop.call(lambda e: e.expert_counts())
             assert engine_counts is not None
             client = await _client(redis_url)
-            deadline = time.monotonic() + 30
-            while True:  # the publishing task catches up within an interval or two
+            want = {
+                layer: [list(engine_counts.counts[p][slot]) for p in (PREFILL, DECODE)]
+                for slot, layer in enumerate(engine_counts.layers)
+            }
+
+            async def published() -> dict[int, list[list[int]]]:
                 load = await read_model(client, MODEL)
-                got = {layer: entry.totals for layer, entry in load.layers.items()}
-                want = {
-                    layer: [list(engine_counts.counts[p][slot]) for p in (PREFILL, DECODE)]
-                    for slot, layer in enumerate(engine_counts.layers)
-                }
-                if got == want or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
+                return {layer: entry.totals for layer, entry in load.layers.items()}
+
+            # The publishing task catches up within an interval or two.
+            got = await settle_async(published, lambda got: got == want, 30.0, every_s=0.1)
             assert got == want
             # Decode: 2 requests x 4 tokens fed back (the 5th is never) x top-2.
             assert sum(want[engine_counts.layers[0]][DECODE]) == 2 * 4 * 2

@@ -11,7 +11,7 @@ import grpc
 
 from common.rpc.server import create_server
 from common.rpc.tls import TlsConfig
-from pdserve.launcher import free_port
+from pdserve.cli.launcher import free_port
 from tests.services.conftest import POD_NAME
 
 

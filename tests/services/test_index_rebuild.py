@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -36,47 +33,11 @@ from services.worker.config import WorkerConfig
 from services.worker.runtime import WorkerRuntime
 from tests.factories import make_tiny_checkpoint
 from tests.polling import until_async
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
 PROMPT = list(range(3, 56))  # 3 full blocks
-
-
-class RedisServer:
-    """A private redis-server that can be killed and started again on the same port."""
-
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
-        self.binary = binary
-        self.workdir = workdir
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--dir", str(self.workdir)]
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
-            ):
-                return
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                pytest.fail(f"redis-server did not start on port {self.port}")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
 
 
 @pytest.fixture
@@ -256,7 +217,8 @@ def test_the_block_store_republishes_at_once_when_redis_returns_empty(
             await asyncio.sleep(0.5)
             assert await client.contains(hashes, timeout_s=5) == 3  # the store serves on
             redis_server.start()
-            await until_async("indexed", indexed, timeout_s=5)  # not the refresh every ttl / 2 (300 s)
+            # Within 5 s: not the refresh every ttl / 2 (300 s).
+            await until_async("indexed", indexed, timeout_s=5)
         finally:
             await client.close()
             await store.stop()

@@ -4,7 +4,6 @@ TraceService), so tests see exactly the spans our processes export."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
+
+from tests.polling import settle
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 CLIENT = trace_pb2.Span.SPAN_KIND_CLIENT
@@ -102,12 +103,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         timeout_s: float = 15.0,
     ) -> list[ReceivedSpan]:
         """The spans (of ``trace_id``) once ``done(spans)`` holds; raises on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            spans = self.spans(trace_id)
-            if done(spans):
-                return spans
-            if time.monotonic() > deadline:
-                names = sorted(f"{s.service}:{s.name}" for s in spans)
-                raise TimeoutError(f"spans not complete after {timeout_s}s: {names}")
-            time.sleep(0.05)
+        spans = settle(lambda: self.spans(trace_id), done, timeout_s, every_s=0.05)
+        if not done(spans):
+            names = sorted(f"{s.service}:{s.name}" for s in spans)
+            raise TimeoutError(f"spans not complete after {timeout_s}s: {names}")
+        return spans

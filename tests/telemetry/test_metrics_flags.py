@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import build_parser
-from pdserve.commands.up import _metrics_ports
-from pdserve.launcher import Child, StackState
+from pdserve.cli.commands.up import _metrics_ports
+from pdserve.cli.launcher import Child, StackState
+from pdserve.cli.main import build_parser
 from services.blockstore.config import BlockStoreConfig
 from services.gateway.config import GatewayConfig
 

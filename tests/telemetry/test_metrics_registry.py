@@ -16,7 +16,7 @@ from common.engine.engine import Engine
 from common.heap import freeze_startup_heap
 from common.telemetry import metrics as telemetry_metrics
 from common.telemetry.metrics import RequestMetrics, Samples, scrape, start_metrics_server
-from pdserve.commands.status import summarize
+from pdserve.cli.commands.status import summarize
 from services.blockstore.metrics import BlockStoreMetrics
 from services.blockstore.store import BlockStore
 from services.worker import metrics as worker_metrics

@@ -16,19 +16,12 @@ from common.errors import (
 )
 from common.kv.layout import KvLayout, crc32c
 from services.blockstore.store import BeginPutResult, BlockKey, BlockStore
+from tests.fake_clock import FakeClock
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
 BLOCK = LAYOUT.bytes_per_block  # 128 bytes
 MODEL = "tiny"
 V1 = 1
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Events:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdserve.commands import blockstore as command
+from pdserve.cli.commands import blockstore as command
 from services.blockstore.config import BlockStoreConfig
 
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.rpc.channels import create_channel
 from common.rpc.server import Server, create_server
-from pdserve.launcher import free_port
+from pdserve.cli.launcher import free_port
 
 DOWN_S = 20.0  # gRPC's default backoff would wait about 6 s more after this; ours 1 s
 

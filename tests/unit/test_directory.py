@@ -14,6 +14,7 @@ from common.index.registry import WorkerInfo
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import IndexHealth
 from services.gateway.metrics import GatewayMetrics
+from tests.fake_clock import FakeClock
 
 
 class FlakyRegistry:
@@ -38,12 +39,13 @@ def ids(workers: list[WorkerInfo]) -> list[str]:
 
 
 def make(
-    retry_s: float = 0.05, grace_s: float = 0.3
+    retry_s: float = 0.05, grace_s: float = 0.3, clock: FakeClock | None = None
 ) -> tuple[FlakyRegistry, WorkerDirectory, GatewayMetrics]:
+    clock = clock or FakeClock()
     registry = FlakyRegistry()
     metrics = GatewayMetrics(CollectorRegistry(), "m")
-    health = IndexHealth(metrics, retry_s=retry_s)
-    directory = WorkerDirectory(registry, 0.0, health, recovery_grace_s=grace_s)  # type: ignore[arg-type]
+    health = IndexHealth(metrics, retry_s=retry_s, clock=clock)
+    directory = WorkerDirectory(registry, 0.0, health, recovery_grace_s=grace_s, clock=clock)  # type: ignore[arg-type]
     return registry, directory, metrics
 
 
@@ -62,7 +64,8 @@ def test_never_read_is_unavailable() -> None:
 
 def test_outage_serves_the_last_list_and_retries_sparingly() -> None:
     async def body() -> None:
-        registry, directory, metrics = make(retry_s=0.2)
+        clock = FakeClock()
+        registry, directory, metrics = make(retry_s=0.2, clock=clock)
         registry.workers = [worker("d0"), worker("p0", "prefill")]
         assert ids(await directory.workers()) == ["d0", "p0"]
         assert gauge(metrics, "pdserve:index_available") == 1
@@ -75,7 +78,7 @@ def test_outage_serves_the_last_list_and_retries_sparingly() -> None:
         for _ in range(20):  # many requests within retry_s: Redis is not asked again
             assert ids(await directory.by_role("decode", "m")) == ["d0"]
         assert registry.reads == reads
-        await asyncio.sleep(0.25)
+        clock.advance(0.25)
         await directory.workers()
         assert registry.reads == reads + 1
 
@@ -84,7 +87,8 @@ def test_outage_serves_the_last_list_and_retries_sparingly() -> None:
 
 def test_after_recovery_known_workers_stay_for_the_grace() -> None:
     async def body() -> None:
-        registry, directory, metrics = make(retry_s=0.0, grace_s=0.3)
+        clock = FakeClock()
+        registry, directory, metrics = make(retry_s=0.0, grace_s=0.3, clock=clock)
         registry.workers = [worker("d0"), worker("d1")]
         await directory.workers()
         registry.down = True
@@ -93,7 +97,7 @@ def test_after_recovery_known_workers_stay_for_the_grace() -> None:
         registry.workers = [worker("d1")]  # Redis restarted: d0 has not heartbeated yet
         assert ids(await directory.workers()) == ["d0", "d1"]
         assert gauge(metrics, "pdserve:index_available") == 1
-        await asyncio.sleep(0.35)
+        clock.advance(0.35)
         assert ids(await directory.workers()) == ["d1"]  # d0 never came back: it is gone
 
     asyncio.run(body())

@@ -32,7 +32,7 @@ from common.engine.engine import Engine
 from common.engine.model_runner import kv_bytes_per_block
 from common.engine.request import FinishReason, KvImport
 from common.engine.sampler import SampleResult
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 
 PROMPT_LENGTHS = [1, 7, 16, 33, 70, 5, 40, 100]

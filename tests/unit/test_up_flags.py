@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine.config import EngineConfig
-from pdserve.cli import build_parser
-from pdserve.commands.up import (
+from pdserve.cli.commands.up import (
     _DECODE_FLAGS,
     _ENGINE_FLAGS,
     _FAILOVER_FLAGS,
@@ -16,7 +15,8 @@ from pdserve.commands.up import (
     _engine_flags,
     threads_per_worker,
 )
-from pdserve.engine_args import engine_config_from_args
+from pdserve.cli.engine_args import engine_config_from_args
+from pdserve.cli.main import build_parser
 
 UP_ARGV = [
     "up", "--decode-stall-timeout-s", "7", "--prefill-timeout-s", "9", "--expert-load-interval-s",

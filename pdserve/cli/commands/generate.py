@@ -6,8 +6,8 @@ import argparse
 import json
 
 from common.contract.sampling import SamplingParams
+from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 from pdserve.client import add_client_args
-from pdserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if not args.local:
-        from pdserve.commands.client import generate_remote
+        from pdserve.cli.commands.client import generate_remote
 
         return generate_remote(args, sampling)
     from common.engine.llm import LLM

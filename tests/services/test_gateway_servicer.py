@@ -37,6 +37,7 @@ from services.gateway.directory import WorkerDirectory
 from services.gateway.health import IndexHealth
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
+from tests.fake_clock import FakeClock
 
 PROMPT = list(range(1000, 1048))  # 48 tokens: over local_prefill_tokens, prefilled remotely
 FIRST_TOKEN = 42
@@ -135,6 +136,7 @@ class Cluster:
     decodes: dict[str, FakeDecode]
     registry: FakeRegistry
     index: FakeIndex
+    clock: FakeClock  # the breakers' and the index health's
 
     def prefer(self, worker_id: str) -> None:
         """The index says ``worker_id`` holds the prompt: routing sends prefills there."""
@@ -206,7 +208,9 @@ def run_cluster(
         metrics = GatewayMetrics(CollectorRegistry(), gateway_config.served_model_name)
         registry = FakeRegistry(workers)
         index = FakeIndex()
-        directory = WorkerDirectory(registry, 0.0, IndexHealth(metrics, retry_s=index_retry_s))  # type: ignore[arg-type]
+        clock = FakeClock()
+        health = IndexHealth(metrics, retry_s=index_retry_s, clock=clock)
+        directory = WorkerDirectory(registry, 0.0, health)  # type: ignore[arg-type]
         gateway = GatewayServicer(
             gateway_config,
             Tokenizer(str(smollm_dir)),
@@ -216,6 +220,7 @@ def run_cluster(
             "gateway-test",
             "",
             metrics,
+            clock=clock,
         )
         server = await _serve(
             lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(gateway, s)
@@ -232,6 +237,7 @@ def run_cluster(
                 decodes,
                 registry,
                 index,
+                clock,
             )
             await asyncio.wait_for(body(cluster), timeout=60)
         finally:
@@ -303,7 +309,7 @@ def test_the_breaker_stops_calls_to_a_failing_worker_then_probes_it(smollm_dir: 
             ("p-bad", gateway_pb2.CIRCUIT_STATE_OPEN)
         ]
         bad.mode = "ok"  # it recovers; after the cool-down one probe closes the breaker
-        await asyncio.sleep(1.1)
+        cluster.clock.advance(1.1)
         assert await cluster.generate() == [FIRST_TOKEN, *DECODED]
         assert bad.calls == 3
         assert cluster.metric("pdserve:circuit_breaker_open", worker_id="p-bad") == 0
@@ -340,7 +346,7 @@ def test_redis_down_routes_by_load_and_says_so_then_recovers(smollm_dir: Path) -
         assert {w.worker_id for w in status.workers} >= {"p0", "d0"}  # the last known list
 
         cluster.registry.down = cluster.index.down = False
-        await asyncio.sleep(1.05)
+        cluster.clock.advance(1.05)
         assert await cluster.generate() == [FIRST_TOKEN, *DECODED]
         assert cluster.metric("pdserve:index_available") == 1
         status = await cluster.stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.commands.security_args import add_tls_args
+from pdserve.cli.commands.security_args import add_tls_args
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pdserve.commands.security_args import tls_from_args
+    from pdserve.cli.commands.security_args import tls_from_args
 
     tls = tls_from_args(args)
     if tls is not None and args.public_tls_ca:

@@ -93,7 +93,7 @@ def redis_url(args: argparse.Namespace) -> str:
         return str(args.redis_url)
     if os.environ.get("PDSERVE_REDIS_URL"):
         return os.environ["PDSERVE_REDIS_URL"]
-    from pdserve.launcher import StackState, run_dir
+    from pdserve.cli.launcher import StackState, run_dir
 
     state = StackState.load(run_dir() / "stack.json")
     if state is not None and state.redis_url:

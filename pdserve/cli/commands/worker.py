@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import os
 
-from pdserve.commands.security_args import add_tls_args, tls_from_args
-from pdserve.commands.telemetry_args import add_metrics_port_arg
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.cli.commands.security_args import add_tls_args, tls_from_args
+from pdserve.cli.commands.telemetry_args import add_metrics_port_arg
+from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 from services.worker.config import KV_LOAD_FAILURE_POLICIES, WorkerConfig
 
 DEFAULT_PORTS = {"prefill": 50052, "decode": 50053}

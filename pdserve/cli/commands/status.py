@@ -11,10 +11,10 @@ import time
 import grpc
 
 from common.telemetry.metrics import Samples, scrape
+from pdserve.cli.launcher import StackState, run_dir
 from pdserve.client import GatewayClient, add_client_args
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
-from pdserve.launcher import StackState, run_dir
 
 CIRCUIT_NAMES = {
     gateway_pb2.CIRCUIT_STATE_CLOSED: "closed",

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import sys
 
-from pdserve.commands.security_args import add_tls_args, tls_from_args
-from pdserve.commands.telemetry_args import add_metrics_port_arg
+from pdserve.cli.commands.security_args import add_tls_args, tls_from_args
+from pdserve.cli.commands.telemetry_args import add_metrics_port_arg
 from services.blockstore.config import DEFAULT_PORT, BlockStoreConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdserve.launcher import StackState, restart_child, run_dir
+from pdserve.cli.launcher import StackState, restart_child, run_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

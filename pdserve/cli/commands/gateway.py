@@ -7,8 +7,8 @@ import asyncio
 import os
 
 from common.rpc.tls import PublicTls
-from pdserve.commands.security_args import add_tls_args, tls_from_args
-from pdserve.commands.telemetry_args import add_metrics_port_arg
+from pdserve.cli.commands.security_args import add_tls_args, tls_from_args
+from pdserve.cli.commands.telemetry_args import add_metrics_port_arg
 from services.gateway.auth import ApiKeys
 from services.gateway.config import GatewayConfig
 

@@ -8,7 +8,7 @@ import sys
 
 from common.heap import tune_malloc
 from common.telemetry.logs import configure_logging
-from pdserve.commands import (
+from pdserve.cli.commands import (
     bench,
     blockstore,
     chat,

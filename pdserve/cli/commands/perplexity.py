@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.models.quant.formats import QUANTIZATIONS
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ import grpc
 
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
-from pdserve.engine_args import speculative_config_arg
-from pdserve.launcher import (
+from pdserve.cli.engine_args import speculative_config_arg
+from pdserve.cli.launcher import (
     Child,
     RedisSecurity,
     StackState,
