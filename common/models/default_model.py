@@ -13,11 +13,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from common.models.gguf_dir import link_gguf, prepare_checkpoint_dir
+from common.models.gguf_dir import link_gguf, prepare_checkpoint_dir, staged_directory
 
 log = logging.getLogger(__name__)
 
@@ -67,46 +65,39 @@ def convert_default_model(target: Path | None = None, force: bool = False) -> Pa
     from tqdm import tqdm
 
     source = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    staging.chmod(0o755)
-    try:
-        with tqdm(total=4, desc=f"converting {DEFAULT_MODEL_NAME}", unit="step") as bar:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+    with (
+        staged_directory(target) as staging,
+        tqdm(total=4, desc=f"converting {DEFAULT_MODEL_NAME}", unit="step") as bar,
+    ):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            bar.set_postfix_str("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-            tokenizer.save_pretrained(staging)
-            bar.update()
-            bar.set_postfix_str("weights (de-quantizing the GGUF)")
-            model = AutoModelForCausalLM.from_pretrained(
-                source.parent, gguf_file=source.name, dtype=torch.float32
-            )
-            bar.update()
-            bar.set_postfix_str("safetensors")
-            state = model.state_dict()
-            if model.config.tie_word_embeddings:
-                state.pop("lm_head.weight", None)
-            tensors = {name: t.detach().contiguous() for name, t in state.items()}
-            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-            bar.update()
-            bar.set_postfix_str("config")
-            config = model.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config  # the weights are written de-quantized
-            config.architectures = [type(model).__name__]
-            config.save_pretrained(staging)
-            model.generation_config.save_pretrained(staging)
-            _link_source(staging)
-            (staging / _DONE_MARKER).write_text(f"{source}\n")
-            bar.update()
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer.save_pretrained(staging)
+        bar.update()
+        bar.set_postfix_str("weights (de-quantizing the GGUF)")
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+        bar.update()
+        bar.set_postfix_str("safetensors")
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        tensors = {name: t.detach().contiguous() for name, t in state.items()}
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        bar.update()
+        bar.set_postfix_str("config")
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are written de-quantized
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        _link_source(staging)
+        (staging / _DONE_MARKER).write_text(f"{source}\n")
+        bar.update()
     log.info("converted %s into %s", source, target)
     return target
 

@@ -4,10 +4,12 @@ the tensors). No torch here: the gateway resolves its model directory through th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,23 @@ def link_gguf(directory: Path, path: Path) -> None:
     link.symlink_to(path.resolve())
 
 
+@contextlib.contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A scratch directory beside ``target`` to write into; when the block ends it replaces
+    ``target`` whole (a reader never sees a half-written one), and on an error it is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
     """A checkpoint directory for a GGUF file: config.json, generation config and tokenizer
     written from the file's metadata once, and a link to the file."""
@@ -43,9 +62,7 @@ def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
         return target
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         log.info("reading %s's config and tokenizer (once)", path.name)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         if hasattr(config, "quantization_config"):
@@ -55,11 +72,4 @@ def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
         link_gguf(staging, path)
         (staging / _PREPARED_MARKER).write_text(f"{path.resolve()}\n")
-        staging.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target

@@ -111,7 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 async for out in outputs:
                     if out.full_blocks is not None:
                         runtime.store.write_behind(out.full_blocks)
-                    stream.add(out, metrics, len(prompt))
+                    stream.add(out, len(prompt))
                     message = decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
                     if sampling.logprobs or sampling.top_logprobs:
                         message.logprobs.extend(
@@ -145,7 +145,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             record_error(span, exc)
             raise
         finally:
-            stream.close(span, metrics, transfer, imported, request.request_id, len(prompt))
+            stream.close(span, transfer, imported, request.request_id, len(prompt))
 
     async def _fetch(
         self,
@@ -313,6 +313,7 @@ class _Stream:
         self.arrival = arrival
         self.admitted = admitted
         self.scheduled: float | None = None
+        self.metrics = metrics
         self.times = TokenTimes(metrics, arrival)
         self.num_generated = 0
         self.cached_tokens = 0
@@ -320,7 +321,8 @@ class _Stream:
         self.finish: str | None = None
         self.failure: BaseException | None = None
 
-    def add(self, out: RequestOutput, metrics: RequestMetrics, num_prompt: int) -> None:
+    def add(self, out: RequestOutput, num_prompt: int) -> None:
+        metrics = self.metrics
         now = time.monotonic()
         if self.scheduled is None:
             self.scheduled = out.first_scheduled_time or self.admitted
@@ -342,12 +344,12 @@ class _Stream:
     def close(
         self,
         span: Span,
-        metrics: RequestMetrics,
         transfer: _Transfer,
         imported: int,
         request_id: str,
         num_prompt: int,
     ) -> None:
+        metrics = self.metrics
         now = time.monotonic()
         finish = self.finish
         if finish is None and isinstance(self.failure, (asyncio.CancelledError, GeneratorExit)):
