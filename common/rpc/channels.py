@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import grpc
 
 from common.rpc.options import CHANNEL_OPTIONS
@@ -17,9 +19,11 @@ def create_channel(
     return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
-def remaining_timeout(
-    context: grpc.aio.ServicerContext, default_s: float | None = None
-) -> float | None:
+class HasDeadline(Protocol):
+    def time_remaining(self) -> float | None: ...
+
+
+def remaining_timeout(context: HasDeadline, default_s: float | None = None) -> float | None:
     """The caller's time left, to pass downstream as the next call's timeout."""
     left = context.time_remaining()
     if left is None:

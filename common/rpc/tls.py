@@ -9,6 +9,7 @@ process for 127.0.0.1 and localhost (common/rpc/pki.py).
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,3 +82,9 @@ class PublicTls:
         return grpc.ssl_server_credentials(
             [(self.key.read_bytes(), self.cert.read_bytes())], require_client_auth=False
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate for the HTTP port."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        return context

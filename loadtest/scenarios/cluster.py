@@ -147,7 +147,8 @@ class Cluster:
             return self.gateways[spec]
         port = free_port()
         name = f"gateway-{len(self.gateways)}"
-        argv = [*self._python(), "gateway", "--port", str(port), "--model", self.model_dir,
+        argv = [*self._python(), "gateway", "--port", str(port), "--http-port", "0",
+                "--model", self.model_dir,
                 "--worker-id", name, "--redis-url", self.redis_url,
                 "--overlap-weight", str(spec.overlap_weight),
                 "--routing-policy", spec.routing_policy,

@@ -59,6 +59,7 @@ class StackState:
     redis_url: str = ""
     gateway: str = ""
     started_unix_s: float = 0.0
+    http: str = ""  # the gateway's OpenAI-compatible API, "" when off
 
     def save(self, path: Path) -> None:
         """Written 0600: the Redis URL may carry a password."""
@@ -77,6 +78,7 @@ class StackState:
             redis_url=raw["redis_url"],
             gateway=raw["gateway"],
             started_unix_s=raw["started_unix_s"],
+            http=raw.get("http", ""),
         )
 
     def alive(self) -> list[Child]:

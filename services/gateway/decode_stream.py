@@ -23,6 +23,7 @@ from common.telemetry.tracing import tracer
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.gateway.v1 import gateway_pb2
+from services.gateway.call import Call
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import WorkerBreakers
 from services.gateway.leases import LeaseReturns
@@ -84,7 +85,7 @@ class DecodeStreamer:
         request: decode_pb2.DecodeRequest,
         relay: Relay,
         sampling: SamplingParams,
-        context: grpc.aio.ServicerContext,
+        context: Call,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Relays the request's tokens from ``worker``, and from the workers it migrates to,
         until it finishes. ``request.kv_handle``'s lease is handed back when no decode
@@ -127,7 +128,7 @@ class DecodeStreamer:
         worker: WorkerInfo,
         request: decode_pb2.DecodeRequest,
         relay: Relay,
-        context: grpc.aio.ServicerContext,
+        context: Call,
         attempt: _Attempt,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """One Decode call. Returns once the request finished; raises StreamBroken when the
@@ -225,7 +226,7 @@ class DecodeStreamer:
         broken: StreamBroken,
         relay: Relay,
         migrations: Migrations,
-        context: grpc.aio.ServicerContext,
+        context: Call,
     ) -> WorkerInfo | None:
         """The decode worker that continues the request, or None when it cannot continue
         (migrations used up, the deadline passed, no worker to take it)."""

@@ -96,6 +96,16 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self._http_requests = Counter(
+            metric_name("http_requests"),
+            "Requests on the OpenAI-compatible HTTP port, by endpoint and HTTP status (their "
+            "generations count in the request metrics as the gRPC API's do).",
+            ["endpoint", "status"], registry=registry,
+        )  # fmt: skip
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self._http_requests.labels(endpoint, str(status)).inc()
+
     def admission_rejected(self, bound: str, scope: str) -> None:
         self._admission_rejections.labels(bound, scope).inc()
 

@@ -21,6 +21,7 @@ from common.rpc.breaker import PEER_FAILURE_CODES
 from common.rpc.channels import ChannelPool, remaining_timeout
 from common.rpc.tracing import client_span
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from services.gateway.call import Call
 from services.gateway.decode_stream import downstream_error
 from services.gateway.directory import WorkerDirectory
 from services.gateway.health import WorkerBreakers
@@ -49,7 +50,7 @@ class RoutedRequest:
     relay: Relay
     sampling: SamplingParams
     salt: str | None
-    context: grpc.aio.ServicerContext  # the client's call: its deadline bounds every hop
+    context: Call  # the client's call: its deadline bounds every hop
 
 
 class PrefillFailed(Exception):

@@ -8,7 +8,8 @@ import logging
 import os
 import socket
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,9 @@ from services.gateway.directory import WorkerDirectory
 from services.gateway.health import IndexHealth
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
+
+if TYPE_CHECKING:
+    from services.gateway.openai.server import OpenAIServer
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -75,9 +79,27 @@ async def start_gateway(
     servicer.gateway_id = (
         config.worker_id or f"gateway-{socket.gethostname()}-{server.port}-{os.getpid()}"
     )
+    http = None
+    if config.http_port is not None:
+        from services.gateway.openai.server import OpenAIServer
+
+        http = OpenAIServer(servicer)
+        tls = config.public_tls.ssl_context() if config.public_tls else None
+        port = await http.start(config.host, config.http_port, tls)
+        servicer.http_address = f"{'https' if tls else 'http'}://{config.host}:{port}"
     heartbeat = asyncio.create_task(_heartbeat(registry, servicer))
     await server.set_serving(True)
-    return server, servicer, (client, heartbeat, registry)
+    return server, servicer, Resources(client, heartbeat, registry, http)
+
+
+@dataclass
+class Resources:
+    """What the gateway holds besides its gRPC server, for ``stop_gateway``."""
+
+    redis: Any
+    heartbeat: asyncio.Task[None]
+    registry: WorkerRegistry
+    http: OpenAIServer | None
 
 
 async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> None:
@@ -100,15 +122,25 @@ async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> Non
         await asyncio.sleep(HEARTBEAT_S)
 
 
-async def stop_gateway(servicer: GatewayServicer, resources: Any) -> None:
-    client, heartbeat, registry = resources
-    heartbeat.cancel()
+async def drain_gateway(server: Server, resources: Resources, grace_s: float) -> None:
+    """Both front doors at once: gRPC refuses new calls and gives those in flight
+    ``grace_s``; HTTP answers new requests 503 and waits as long for its own."""
+    waits = [server.stop(grace_s)]
+    if resources.http is not None:
+        waits.append(resources.http.drain(grace_s))
+    await asyncio.gather(*waits)
+
+
+async def stop_gateway(servicer: GatewayServicer, resources: Resources) -> None:
+    if resources.http is not None:
+        await resources.http.stop()
+    resources.heartbeat.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
-        await heartbeat
+        await resources.heartbeat
     with contextlib.suppress(Exception):
-        await registry.deregister(servicer.gateway_id)
+        await resources.registry.deregister(servicer.gateway_id)
     await servicer.close()
-    await client.aclose()
+    await resources.redis.aclose()
 
 
 def keep_torch_out() -> None:
@@ -129,10 +161,14 @@ async def serve(config: GatewayConfig) -> None:
 
     async def started(registry: CollectorRegistry) -> Started:
         server, servicer, resources = await start_gateway(config, registry)
+        banner = f"gateway {servicer.gateway_id} serving at {servicer.address}"
+        if servicer.http_address:
+            banner += f"; OpenAI-compatible HTTP at {servicer.http_address}/v1"
         return Started(
             server,
             on_stop=lambda: stop_gateway(servicer, resources),
-            banner=f"gateway {servicer.gateway_id} serving at {servicer.address}",
+            drain=lambda grace_s: drain_gateway(server, resources, grace_s),
+            banner=banner,
         )
 
     await serve_process(

@@ -37,6 +37,7 @@ from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdserve.prefill.v1 import prefill_pb2
 from services.gateway.admission import Admission, Ticket, estimate_prompt_tokens
 from services.gateway.auth import tenant_cache_salt
+from services.gateway.call import Call
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_stream import DecodeStreamer
 from services.gateway.directory import WorkerDirectory
@@ -119,6 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.gateway_id = gateway_id
         self.address = address
+        self.http_address = ""  # the OpenAI-compatible HTTP API's base URL, when served
         self.metrics = metrics
         self.admission = Admission(config.admission_limits, metrics.admission_rejected)
         metrics.queued_prompt_tokens.set_function(lambda: self.admission.total.queued_tokens)
@@ -133,7 +135,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"model {model!r} is not served here; this cluster serves {self.model!r}"
             )
 
-    async def _context_limit(self) -> int:
+    async def context_limit(self) -> int:
         """Most tokens a request may span: the configured limit, lowered to what every live
         worker of the model serves (a worker's KV pool bounds its limit too). The configured
         limit alone when the registry cannot be read; routing will then answer UNAVAILABLE."""
@@ -150,7 +152,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- Generate ---------------------------------------------------------------------------
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _tenant(self, context: Call) -> str | None:
         """The caller's tenant (None with authentication off); the interceptor has already
         refused calls without a valid key."""
         keys = self.config.api_keys
@@ -171,16 +173,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             add_generation_prompt,
         )
 
+    async def prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids as Generate reads them (the HTTP API's echo)."""
+        return (await self._tokenize(request))[1]
+
     @rpc_method
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Cheap checks and admission first, before any tokenization; the request then holds
-        its admission ticket until it ends."""
+        async with contextlib.aclosing(self.generate(request, context)) as messages:
+            async for message in messages:
+                yield message
+
+    async def generate(
+        self, request: gateway_pb2.GenerateRequest, context: Call
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """The request path every front door takes (gRPC's Generate, the HTTP APIs): raises
+        PdserveError for the caller to map onto its protocol. Cheap checks and admission
+        first, before any tokenization; the request then holds its admission ticket until it
+        ends."""
         bind_request_id(request.request_id)
         self._check_model(request.model)
         tenant = self._tenant(context)
-        limit = await self._context_limit()
+        limit = await self.context_limit()
         check_sizes(request, limit)
         ticket = self.admission.admit(tenant or "", estimate_prompt_tokens(request))
         try:
@@ -197,7 +212,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _generate(
         self,
         request: gateway_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
+        context: Call,
         ticket: Ticket,
         tenant: str | None,
         limit: int,
@@ -367,7 +382,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.GetModelInfoResponse(
             model=self.model,
             architecture=self.spec.architecture,
-            max_context_tokens=await self._context_limit(),
+            max_context_tokens=await self.context_limit(),
             vocab_size=self.spec.vocab_size,
             eos_token_ids=list(self.spec.eos_token_ids),
             has_chat_template=self.tokenizer.has_chat_template,
@@ -380,7 +395,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TokenizeResponse:
         self._check_model(request.model)
-        check_sizes(request, await self._context_limit())
+        check_sizes(request, await self.context_limit())
         ticket = self.admission.admit(self._tenant(context) or "", estimate_prompt_tokens(request))
         try:
             _, ids = await self._tokenize(request, request.add_generation_prompt)
@@ -402,8 +417,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise UnavailableError(
                     f"the worker registry (Redis) cannot be read: {exc}"
                 ) from exc
+        endpoints = [self.http_address + "/v1"] if self.http_address else []
         statuses = await cluster_status(
-            workers, self.channels, self.gateway_id, self.address, self.model
+            workers, self.channels, self.gateway_id, self.address, self.model, endpoints
         )
         return gateway_pb2.GetClusterStatusResponse(
             workers=statuses,

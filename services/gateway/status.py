@@ -66,8 +66,9 @@ async def _fresh(info: WorkerInfo, channels: ChannelPool) -> common_pb2.WorkerSt
 
 
 async def cluster_status(
-    workers: list[WorkerInfo], channels: ChannelPool, gateway_id: str, address: str, model: str
-) -> list[common_pb2.WorkerStatus]:
+    workers: list[WorkerInfo], channels: ChannelPool, gateway_id: str, address: str, model: str,
+    endpoints: list[str] | None = None,
+) -> list[common_pb2.WorkerStatus]:  # fmt: skip
     others = [w for w in workers if w.worker_id != gateway_id]
     statuses = list(await asyncio.gather(*(_fresh(w, channels) for w in others)))
     statuses.append(
@@ -77,6 +78,7 @@ async def cluster_status(
             address=address,
             model=model,
             pid=os.getpid(),
+            endpoints=endpoints or [],
         )
     )
     role_rank = {ROLES[r]: i for i, r in enumerate(_ORDER)}

@@ -46,6 +46,12 @@ class Stack:
         assert state is not None, "pdserve up recorded no stack"
         return {c.name: c for c in state.children}
 
+    def http_url(self) -> str:
+        """The gateway's OpenAI-compatible API, ``http://127.0.0.1:PORT/v1``."""
+        state = StackState.load(self.run_dir / "stack.json")
+        assert state is not None and state.http, "pdserve up recorded no HTTP API"
+        return state.http
+
     def log_of(self, name: str) -> str:
         return Path(self.children()[name].log).read_text(errors="replace")
 
@@ -81,7 +87,7 @@ def up_stack(
     port = free_port()
     stack = kind(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(
-        "up", "--detach", "--port", str(port), "--prefill", "2", "--decode", "2",
+        "up", "--detach", "--port", str(port), "--http-port", "0", "--prefill", "2", "--decode", "2",
         "--model", str(smollm_dir), *up_args, timeout=900,
     )  # fmt: skip
     if started.returncode != 0:
@@ -131,7 +137,7 @@ def observed_stack(
     port = free_port()
     stack = ObservedStack(f"127.0.0.1:{port}", run_dir, env, smollm_dir, receiver)
     started = stack.cli(
-        "up", "--detach", "--port", str(port), "--prefill", "1", "--decode", "1",
+        "up", "--detach", "--port", str(port), "--http-port", "0", "--prefill", "1", "--decode", "1",
         "--model", str(smollm_dir), "--kv-cache-memory", "128MiB", timeout=900,
     )  # fmt: skip
     if started.returncode != 0:

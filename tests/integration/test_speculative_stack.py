@@ -26,7 +26,7 @@ from common.telemetry.metrics import scrape
 from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from tests.integration.conftest import Stack, up_stack
-from tests.integration.test_decode_migration import assert_nothing_held
+from tests.integration.test_decode_migration import SHORT_PUT_EXPIRY, assert_nothing_held
 from tests.near_ties import NearTies
 from tests.prompts import passage
 
@@ -48,7 +48,7 @@ PROMPTS = [
 def spec_stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with up_stack(
         smollm_dir, tmp_path_factory, "spec", "--kv-cache-memory", "256MiB",
-        "--speculative-config", SPEC, "--drain-grace-s", "1", env_drop=("PDSERVE_METRICS_PORT",),
+        "--speculative-config", SPEC, "--drain-grace-s", "1", *SHORT_PUT_EXPIRY, env_drop=("PDSERVE_METRICS_PORT",),
     ) as stack:  # fmt: skip
         yield stack
 

@@ -17,6 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("gateway", help="serve the public gateway (GatewayService)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; [::] for all")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics); 0 = a free port; -1 = off",
+    )
     parser.add_argument("--model", default=None, help="checkpoint directory (tokenizer, config)")
     parser.add_argument("--model-name", default=None, help="served model name (dir name)")
     parser.add_argument(
@@ -173,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
+        http_port=None if args.http_port < 0 else args.http_port,
     )
 
 

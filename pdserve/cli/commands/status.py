@@ -104,6 +104,7 @@ async def fetch(
             "pid": w.pid,
             "draining": w.draining,
             "weights": w.weight_format,
+            "endpoints": list(w.endpoints),
         }
         for w in reply.workers
     ]
@@ -160,6 +161,8 @@ def health_lines(workers: list[dict[str, object]]) -> list[str]:
     """What the gateway says about Redis and the workers it avoids, as text."""
     lines = []
     for w in workers:
+        for url in w.get("endpoints") or []:  # type: ignore[attr-defined]
+            lines.append(f"{w['id']}: OpenAI-compatible HTTP API at {url}")
         if w["role"] == "gateway" and w.get("index_available") is False:
             since_ms = w["index_unavailable_since_unix_ms"]
             assert isinstance(since_ms, int)

@@ -71,6 +71,12 @@ _GATEWAY_FLAGS = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start redis, block store, workers and gateway here")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP API; 0 = a free port; -1 = off",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument(
@@ -125,6 +131,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     failures.add_argument("--kv-pull-timeout-s", type=float, default=None, help="decode workers")
     failures.add_argument("--blockstore-timeout-s", type=float, default=None, help="workers")
     failures.add_argument("--lease-ttl-s", type=float, default=None, help="workers")
+    failures.add_argument(
+        "--blockstore-put-expiry-s",
+        type=float,
+        default=None,
+        help="block store: abort a put its writer left open this long (a killed worker's)",
+    )
     up.add_argument(
         "--drain-grace-s",
         type=float,
@@ -182,6 +194,11 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def _store_flags(args: argparse.Namespace) -> list[str]:
+    expiry = args.blockstore_put_expiry_s
+    return [] if expiry is None else ["--put-expiry-s", str(expiry)]
 
 
 # Failure handling: gateway, every worker, decode workers.
@@ -288,7 +305,8 @@ def run_up(args: argparse.Namespace) -> int:
         if not args.no_blockstore:
             port = free_port()
             workers.append(launch("blockstore", "blockstore",
-                                  [*python, "blockstore", "--port", str(port), "--worker-id", "blockstore-0"],
+                                  [*python, "blockstore", "--port", str(port), "--worker-id", "blockstore-0",
+                                   *_store_flags(args)],
                                   f"127.0.0.1:{port}"))  # fmt: skip
             store_flags = ["--blockstore", f"127.0.0.1:{port}"]
         threads = threads_per_worker(args)
@@ -313,6 +331,13 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_argv += ["--public-tls-cert", str(public.cert),
                              "--public-tls-key", str(public.key)]  # fmt: skip
             public_ca = grpc.ssl_channel_credentials(public.ca.read_bytes())
+        if args.http_port >= 0:
+            http_port = args.http_port or free_port()
+            gateway_argv += ["--http-port", str(http_port)]
+            scheme = "https" if args.public_tls else "http"
+            state.http = f"{scheme}://127.0.0.1:{http_port}/v1"
+        else:
+            gateway_argv += ["--http-port", "-1"]
         keys = {"PDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}
         gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}", keys)
         state.gateway = gateway.address
@@ -333,8 +358,9 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
 
     security = ", mutual TLS inside" if args.mtls else ""
+    http = f", OpenAI API {state.http}" if state.http else ""
     print(
-        f"pdserve stack up: gateway {state.gateway}, redis {redact(state.redis_url)}, "
+        f"pdserve stack up: gateway {state.gateway}{http}, redis {redact(state.redis_url)}, "
         f"logs {logs}{security}",
         flush=True,
     )

@@ -153,7 +153,7 @@ class KvHandle(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining", "weight_format")
+    __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining", "weight_format", "endpoints")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class WorkerStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -178,4 +179,5 @@ class WorkerStatus(_message.Message):
     pid: int
     draining: bool
     weight_format: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., weight_format: _Optional[str] = ...) -> None: ...
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., weight_format: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...

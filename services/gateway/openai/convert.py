@@ -122,7 +122,9 @@ def completion_requests(
     for i, text_or_ids in enumerate(prompts):
         for copy in range(body.n):
             message = gateway_pb2.GenerateRequest(
-                request_id=f"{request_id}-{i * body.n + copy}", model=body.model
+                request_id=f"{request_id}-{i * body.n + copy}",
+                model=body.model,
+                cache_salt=body.cache_salt,
             )
             if isinstance(text_or_ids, str):
                 message.raw_prompt = text_or_ids
@@ -160,7 +162,9 @@ def chat_requests(
     )
     out = []
     for copy in range(body.n):
-        message = gateway_pb2.GenerateRequest(request_id=f"{request_id}-{copy}", model=body.model)
+        message = gateway_pb2.GenerateRequest(
+            request_id=f"{request_id}-{copy}", model=body.model, cache_salt=body.cache_salt
+        )
         message.messages.CopyFrom(messages)
         message.sampling.CopyFrom(
             _sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0, copy)

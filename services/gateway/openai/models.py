@@ -40,6 +40,7 @@ class _Sampling(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    cache_salt: str = ""  # vLLM's: requests share cached KV only under the same salt
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
