@@ -20,6 +20,7 @@ from tests.deploy.rendering import (
     VARIANTS,
     WORKER_ROLES,
     Manifest,
+    Rendered,
     containers,
     env_of,
     flag,
@@ -139,6 +140,12 @@ def test_every_deployment_probes_its_grpc_port(variant: str) -> None:
             ]})  # fmt: skip
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             checks = [(key, value) for key, value in container[probe].items() if key in PROBE_KINDS]
+            if role == "gateway" and probe == "readinessProbe":
+                # Readiness asks the OpenAI-compatible API's /health (503 while draining).
+                scheme = "HTTPS" if serves_tls(variant, role) else "HTTP"
+                assert checks == [("httpGet", {"path": "/health", "port": "http",
+                                               "scheme": scheme})], (role, probe)  # fmt: skip
+                continue
             assert checks == [expected], (role, probe)
             if expected[0] == "exec":  # Python starts in the probe's time
                 assert container[probe]["timeoutSeconds"] >= 5, (role, probe)
@@ -740,3 +747,29 @@ def test_notes_show_the_key_and_tls_a_first_request_needs() -> None:
     plain = render().notes
     assert "grpcurl -plaintext \\\n" in plain
     assert "PDSERVE_API_KEY" not in plain
+
+
+def test_the_gateway_serves_the_openai_api_on_its_service_or_not_at_all() -> None:
+    rendered = render()
+    container = pdserve_container(rendered.deployment("gateway"))
+    assert flag(container, "http-port") == "8000"
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+    service = rendered.one("Service", f"{RELEASE}-pdserve-gateway")
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert (http["port"], http["targetPort"], http["appProtocol"]) == (8000, "http", "http")
+    tls = rendered_service_http(render(VARIANTS["public-tls"]))
+    assert tls["appProtocol"] == "https"
+
+    off = render({"gateway": {"http": {"enabled": False, "port": 8000}}})
+    container = pdserve_container(off.deployment("gateway"))
+    assert flag(container, "http-port") == "-1"
+    assert all(p["name"] != "http" for p in container["ports"])
+    assert "grpc" in container["readinessProbe"]  # the gRPC health check again
+    service = off.one("Service", f"{RELEASE}-pdserve-gateway")
+    assert all(p["name"] != "http" for p in service["spec"]["ports"])
+
+
+def rendered_service_http(rendered: Rendered) -> Manifest:
+    service = rendered.one("Service", f"{RELEASE}-pdserve-gateway")
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    return http

@@ -4,8 +4,10 @@ inside the trace of a client that sent its own ``traceparent``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import secrets
+import urllib.request
 
 import grpc
 import pytest
@@ -189,3 +191,41 @@ def test_without_a_client_trace_the_gateway_starts_one(observed_stack: ObservedS
     assert decode.attributes["pdserve.local_prefill"] is True
     assert {s.service for s in in_trace} >= {"pdserve-gateway", "pdserve-decode"}
     assert not any(s.service == "pdserve-prefill" for s in in_trace)
+
+
+def test_an_http_request_joins_the_clients_trace_too(observed_stack: ObservedStack) -> None:
+    """The OpenAI-compatible API: its server span is the client's child, and the request
+    span (the same GenAI attributes as for gRPC) and the workers' spans sit under it."""
+    stack = observed_stack
+    model = stack.model_dir.name
+    trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
+    prompt = " ".join(f"word{i}" for i in range(40))  # long enough for a prefill worker
+    request = urllib.request.Request(
+        f"{stack.http_url()}/completions",
+        data=json.dumps({"prompt": prompt, "max_tokens": 3, "ignore_eos": True}).encode(),
+        headers={"traceparent": f"00-{trace_id}-{client_span_id}-01"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
+
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        names = {(s.service, s.name) for s in spans}
+        return {
+            ("pdserve-gateway", "POST /v1/completions"),
+            ("pdserve-gateway", f"text_completion {model}"),
+            ("pdserve-decode", "decode"),
+        } <= names
+
+    spans = stack.receiver.wait_for(complete, trace_id)
+    http = one(spans, "pdserve-gateway", "POST /v1/completions", SERVER)
+    assert http.parent_span_id == client_span_id
+    assert http.attributes["http.response.status_code"] == 200
+    generation = one(spans, "pdserve-gateway", f"text_completion {model}", INTERNAL)
+    assert generation.parent_span_id == http.span_id
+    assert generation.attributes["gen_ai.usage.output_tokens"] == 3
+    assert generation.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    decode_call = one(spans, "pdserve-gateway", DECODE, CLIENT)
+    assert decode_call.parent_span_id == generation.span_id
+    decode_rpc = one(spans, "pdserve-decode", DECODE, SERVER)
+    assert decode_rpc.parent_span_id == decode_call.span_id

@@ -229,8 +229,14 @@ that signed it. An exec probe starts Python, so it gets at least EXEC_TIMEOUT_S.
 {{- if $exec }}
 {{- $_ := set $settings "timeoutSeconds" (max 5 (int (default 1 $settings.timeoutSeconds))) }}
 {{- end }}
+{{- $probeCheck := $check }}
+{{- /* The gateway's HTTP API answers /health 503 while draining, as gRPC health does. */}}
+{{- if and (eq $.role "gateway") (eq $probe "readiness") $.values.http $.values.http.enabled }}
+{{- $scheme := ternary "HTTPS" "HTTP" (not (empty (include "pdserve.servesTls" $))) }}
+{{- $probeCheck = dict "httpGet" (dict "path" "/health" "port" "http" "scheme" $scheme) }}
+{{- end }}
 {{ $key }}:
-  {{- toYaml (merge (deepCopy $check) $settings) | nindent 2 }}
+  {{- toYaml (merge (deepCopy $probeCheck) $settings) | nindent 2 }}
 {{- end }}
 {{- end }}
 
