@@ -43,10 +43,18 @@ class SamplingParams:
     # False: this request is never speculated on, whatever the decode worker's
     # --speculative-config (the output is the same either way; the cost is not).
     speculative: bool = True
+    # vLLM's min_tokens: before this many tokens are generated, end-of-sequence and stop
+    # token ids are masked out of the sampler's distribution and stop strings do not stop.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                "sampling.min_tokens",
+                f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}",
+            )
         if not self.temperature >= 0.0:  # also rejects NaN
             raise InvalidRequestError(
                 "sampling.temperature", f"must be >= 0, got {self.temperature}"
@@ -121,6 +129,7 @@ class SamplingParams:
             top_logprobs=pb.top_logprobs,
             prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
             speculative=not pb.disable_speculation,
+            min_tokens=pb.min_tokens,
         )
 
     def to_pb(self, pb: SamplingParamsPb) -> SamplingParamsPb:
@@ -145,6 +154,7 @@ class SamplingParams:
         else:
             pb.ClearField("prompt_logprobs")
         pb.disable_speculation = not self.speculative
+        pb.min_tokens = self.min_tokens
         return pb
 
     @property

@@ -62,7 +62,9 @@ class LLM:
             request_id = f"llm-{next(self._ids)}"
             self.engine.add_request(request_id, ids, p)
             completions[request_id] = Completion(request_id, ids)
-            detoks[request_id] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+            detoks[request_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, p.stop, min_tokens=p.min_tokens
+            )
             order.append(request_id)
         pending = set(order)
         while pending:

@@ -51,6 +51,8 @@ class SamplingRow(Protocol):
     def output_token_ids(self) -> list[int]: ...
     @property
     def num_output_tokens(self) -> int: ...
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Sampler:
         """logits: [n, V] float32 (may be wider than V: padded vocab columns are dropped)."""
         logits = logits[:, : self.vocab_size]
         logits = self._apply_penalties(logits, requests)
+        logits = self._mask_early_stops(logits, requests)
         raw_logprobs = None
         if any(r.sampling.logprobs or r.sampling.top_logprobs for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -111,6 +114,24 @@ class Sampler:
                     ).to(row.dtype)
                     row -= params.frequency_penalty * counts
                     row -= params.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _mask_early_stops(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRow]
+    ) -> torch.Tensor:
+        """min_tokens: a row with fewer output tokens than that cannot draw (or be greedy
+        on) an end-of-sequence or stop token id; its logprobs see them masked too."""
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.num_output_tokens < r.sampling.min_tokens and r.stop_ids
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            ids = [t for t in requests[i].stop_ids if t < self.vocab_size]
+            logits[i, ids] = float("-inf")
         return logits
 
     def _draw(self, logits: torch.Tensor, req: SamplingRow) -> int:

@@ -4,6 +4,8 @@ Text is emitted only once it is stable: a token that ends inside a multi-byte ch
 (decoded as U+FFFD) waits for the next one, and while stop strings are set the last
 ``len(longest stop) - 1`` characters are held back, so a client never sees the start of a
 stop string that the next token completes. The stop string itself is never emitted.
+With ``min_tokens`` (vLLM's), stop strings count only from the ``min_tokens``-th output
+token on: one that ends earlier is output text like any other.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -37,6 +40,8 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stop_string: str | None = None
         self.num_taken = 0  # tokens of the last add() that belong to the output
+        self.min_tokens = min_tokens
+        self._num_output = 0  # output tokens fed so far
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feeds new tokens; returns the text that became safe to emit. ``num_taken`` then
@@ -48,6 +53,7 @@ class IncrementalDetokenizer:
             return ""
         for token_id in token_ids:
             self._ids.append(token_id)
+            self._num_output += 1
             self.num_taken += 1
             self._decode_step()
             if self.stop_string is not None:
@@ -70,7 +76,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         search_from = max(0, len(self.text) - self._holdback)
         self.text += delta
-        if self.stop:
+        if self.stop and self._num_output >= self.min_tokens:
             self._find_stop(search_from)
 
     def _find_stop(self, search_from: int) -> None:

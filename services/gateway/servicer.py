@@ -245,7 +245,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         relay = Relay(
             request_id,
             prompt,
-            IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop),
+            IncrementalDetokenizer(
+                self.tokenizer, prompt, sampling.stop, min_tokens=sampling.min_tokens
+            ),
             self.metrics.requests,
         )
         self.num_in_flight += 1

@@ -178,6 +178,24 @@ def test_n_copies_are_seeded_and_reuse_the_first_copys_prompt_kv(stack: Stack) -
     assert cached[1] >= 16 and cached[2] >= 16, cached  # the first copy's full blocks
 
 
+def test_min_tokens_holds_back_a_stop_token_on_the_prefill_worker_too(stack: Stack) -> None:
+    """The first token is sampled where the prompt is prefilled: made a stop token, it ends
+    the request there, unless min_tokens masks it (prefill and decode workers alike)."""
+    ids, _ = grpc_greedy(stack, raw_prompt=PROMPT)
+    client = sync_client(stack)
+
+    def ask(min_tokens: int) -> openai.types.Completion:
+        return client.completions.create(
+            model=stack.model_dir.name, prompt=PROMPT, max_tokens=6, temperature=0.0,
+            extra_body={"stop_token_ids": [ids[0]], "min_tokens": min_tokens},
+        )  # fmt: skip
+
+    stopped, held = ask(0), ask(4)
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].finish_reason == "stop"
+    assert held.usage is not None and held.usage.completion_tokens >= 4
+
+
 def test_logprobs_and_echo(stack: Stack) -> None:
     client = sync_client(stack)
     reply = client.completions.create(

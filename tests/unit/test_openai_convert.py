@@ -65,9 +65,13 @@ def test_logprobs_and_echo_ask_for_token_and_prompt_logprobs() -> None:
 def test_vllm_extras_map_onto_the_sampling_parameters() -> None:
     body = CompletionRequest(
         prompt="x", temperature=0.0, top_k=-1, min_p=0.1, repetition_penalty=1.2,
-        ignore_eos=True, stop=["\n\n", "END"], stop_token_ids=[2],
+        ignore_eos=True, stop=["\n\n", "END"], stop_token_ids=[2], min_tokens=3,
+        cache_salt="s1",
     )  # fmt: skip
-    params = sampling(completion_requests(body, "c")[0])
+    (request,) = completion_requests(body, "c")
+    assert request.cache_salt == "s1"
+    params = sampling(request)
+    assert params.min_tokens == 3
     assert params.greedy and params.top_k == 0 and params.min_p == pytest.approx(0.1)
     assert params.repetition_penalty == pytest.approx(1.2) and params.ignore_eos
     assert params.stop == ("\n\n", "END") and params.stop_token_ids == (2,)

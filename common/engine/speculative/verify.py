@@ -74,6 +74,10 @@ class VerifyRow:
         return self.request.output_token_ids + self.extra
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.request.stop_ids
+
+    @property
     def num_output_tokens(self) -> int:
         return self.request.num_output_tokens + len(self.extra)
 

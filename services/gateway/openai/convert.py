@@ -84,6 +84,7 @@ def _sampling(
         stop=body.stop_strings(),
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )

@@ -39,6 +39,7 @@ class _Sampling(_Body):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     cache_salt: str = ""  # vLLM's: requests share cached KV only under the same salt
 
