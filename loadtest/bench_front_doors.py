@@ -87,6 +87,25 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, float | None]:
     }  # fmt: skip
 
 
+def paired(results: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per request, this door's TTFT less gRPC's on the same prompt in the same round (at
+    concurrency 1 the requests run one by one in the same order), in ms; and how many
+    outputs equal gRPC's text (greedy: all of them)."""
+    deltas = [
+        (b - a) * 1000
+        for r, g in zip(results, base, strict=True)
+        for a, b in zip(g["ttfts"], r["ttfts"], strict=True)
+        if a and b
+    ]
+    same = sum(
+        x == y
+        for r, g in zip(results, base, strict=True)
+        for x, y in zip(g["generated_texts"], r["generated_texts"], strict=True)
+    )
+    total = sum(len(g["generated_texts"]) for g in base)
+    return {"ttft_delta_p50_ms": percentile(deltas, 50), "same_text": same, "requests": total}
+
+
 def cell(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -117,6 +136,20 @@ def format_table(summary: dict[str, Any], concurrencies: Sequence[int]) -> str:
                 f"{'' if door == 'grpc' else delta(row['ttft_p50_ms'], base['ttft_p50_ms']):>9} "
                 f"{'' if door == 'grpc' else delta(row['itl_p50_ms'], base['itl_p50_ms']):>8}  "
                 f"{'' if door == 'grpc' else per_round}"
+            )
+    lines.append("")
+    for door in DOORS[1:]:
+        for c in concurrencies:
+            p = summary["paired"][f"{door}-c{c}"]
+            order = "paired by prompt" if c == 1 else "not paired (scheduling order differs)"
+            same = (
+                "n/a (its prompt has the chat template around it)"
+                if door == "http-chat"
+                else f"{p['same_text']}/{p['requests']}"
+            )
+            lines.append(
+                f"{door} c{c}: TTFT - gRPC's per request, p50 {cell(p['ttft_delta_p50_ms'])} ms "
+                f"({order}); output text equal to gRPC's: {same}"
             )
     return "\n".join(lines)
 
@@ -158,6 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{cell(figures['itl_p50_ms'])} ms{noise_note(meter.fraction)}")
     summary: dict[str, Any] = {key: pooled(results) for key, results in runs.items()}
     summary["rounds"] = {key: [pooled([r]) for r in results] for key, results in runs.items()}
+    summary["paired"] = {
+        f"{d}-c{c}": paired(runs[f"{d}-c{c}"], runs[f"grpc-c{c}"])
+        for d in DOORS[1:] for c in concurrencies
+    }  # fmt: skip
     summary["other_cpu_max"] = max(others, default=0.0)
     summary["date"] = datetime.now().isoformat(timespec="seconds")
     summary["args"] = vars(args)
@@ -177,10 +214,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="more pdserve up flags, one string")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--num-prompts-c1", type=int, default=8)
-    parser.add_argument("--num-prompts-c16", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts-c1", type=int, default=48)
+    parser.add_argument("--num-prompts-c16", type=int, default=48)
+    # Short prompts: a long prefill's own spread (tens of ms here) would hide a front
+    # door's cost of a millisecond or two.
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--warmup-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bench-timeout-s", type=float, default=1800)

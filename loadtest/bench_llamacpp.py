@@ -381,7 +381,7 @@ def pdserve_stack(run_dir: Path, up_args: Sequence[str]) -> Iterator[tuple[str, 
 
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     port = free_port()
-    argv = [*CLI, "up", "--detach", "--port", str(port), "--http-port", "0", *up_args]
+    argv = [*CLI, "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", *up_args]
     log(f"  $ pdserve {shlex.join(argv[len(CLI) :])}")
     try:
         started = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)

@@ -293,7 +293,7 @@ def main() -> None:
         from pdserve.cli.launcher import free_port
 
         port = free_port()
-        subprocess.run([sys.executable, "-m", "pdserve", "up", "--detach", "--port", str(port), "--http-port", "0",
+        subprocess.run([sys.executable, "-m", "pdserve", "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0",
                         "--model", model, "--kv-cache-memory", "512MiB"], env=env, check=True)  # fmt: skip
         target = f"127.0.0.1:{port}"
     try:

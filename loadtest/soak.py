@@ -313,7 +313,7 @@ def local_stack(run_dir: Path, up_args: Sequence[str]) -> Iterator[tuple[str, di
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     port = free_port()
     cli = [sys.executable, "-m", "pdserve", "--log-level", "WARNING"]
-    started = subprocess.run([*cli, "up", "--detach", "--port", str(port), "--http-port", "0", *up_args],
+    started = subprocess.run([*cli, "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", *up_args],
                              env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
     if started.returncode != 0:
         raise RuntimeError(f"pdserve up failed:\n{started.stdout}\n{started.stderr}")

@@ -12,6 +12,10 @@ trap 'rm -rf "$scratch"' EXIT
 PIP=("$scratch/venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[dev,convert,triton,bench]"
+# tritonclient, the real client of the KServe v2 tests, declares protobuf<7 while the stubs
+# here need 7; its own stubs load on protobuf 7 unchanged (gencode one major older, which
+# the runtime accepts). So it comes without its declared deps, and its imports by name.
+"${PIP[@]}" --no-deps "tritonclient==2.73.0" "python-rapidjson>=1.20" "ml-dtypes<=0.5.4"
 {
   echo "# Every package the tests run with, exactly (scripts/setup.sh installs these with"
   echo "# --no-deps). Written by scripts/lock.sh from a fresh resolution; do not edit by hand."

@@ -4,7 +4,9 @@
 Completions send the prompt as token ids (vLLM, SGLang and llama.cpp's server accept a
 list of ids), so prompt lengths are exact; chat sends the prompt's decoded text as one
 user message, so the server's token count may differ a little. Output tokens come from
-the final ``usage`` (``stream_options.include_usage``), else one per content chunk.
+the final ``usage`` (``stream_options.include_usage``), else one per content chunk. Time
+to first token and inter-token gaps count every chunk that brings a token, with or without
+text (as the gRPC backend counts every message with token ids).
 """
 
 from __future__ import annotations
@@ -121,8 +123,14 @@ class OpenAIHttpBackend(Backend):
                     if event.get("error"):
                         raise RuntimeError(f"server error in stream: {event['error']}")
                     for choice in event.get("choices") or []:
+                        # A chunk is a token's arrival: with text, or without text and not
+                        # the last (a token whose text waits for the next, as pdserve sends
+                        # and llama-server does for a split UTF-8 character). A last chunk
+                        # without text (the stop token) and a chat's opening chunk with
+                        # the role alone (vLLM, llama-server) bring no token.
                         text = self._content(choice)
-                        if text:
+                        role_only = "role" in (choice.get("delta") or {})
+                        if text or not (choice.get("finish_reason") or role_only):
                             out.add_chunk(now, 0, text)
                     if event.get("usage"):
                         usage = event["usage"]

@@ -147,7 +147,7 @@ class Cluster:
             return self.gateways[spec]
         port = free_port()
         name = f"gateway-{len(self.gateways)}"
-        argv = [*self._python(), "gateway", "--port", str(port), "--http-port", "0",
+        argv = [*self._python(), "gateway", "--port", str(port), "--http-port", "0", "--kserve-port", "0",
                 "--model", self.model_dir,
                 "--worker-id", name, "--redis-url", self.redis_url,
                 "--overlap-weight", str(spec.overlap_weight),

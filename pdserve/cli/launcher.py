@@ -60,6 +60,7 @@ class StackState:
     gateway: str = ""
     started_unix_s: float = 0.0
     http: str = ""  # the gateway's OpenAI-compatible API, "" when off
+    kserve: str = ""  # the gateway's KServe v2 gRPC port, host:port, "" when off
 
     def save(self, path: Path) -> None:
         """Written 0600: the Redis URL may carry a password."""
@@ -79,6 +80,7 @@ class StackState:
             gateway=raw["gateway"],
             started_unix_s=raw["started_unix_s"],
             http=raw.get("http", ""),
+            kserve=raw.get("kserve", ""),
         )
 
     def alive(self) -> list[Child]:

@@ -108,9 +108,19 @@ def tenant_cache_salt(tenant: str | None, client_salt: str) -> str | None:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Ends unauthenticated GatewayService calls with UNAUTHENTICATED, unparsed."""
 
-    def __init__(self, keys: ApiKeys, on_reject: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        keys: ApiKeys,
+        on_reject: Callable[[], None] = lambda: None,
+        guarded: str = GUARDED_PREFIX,
+        open_methods: frozenset[str] = frozenset(),
+    ) -> None:
+        """``guarded``: the method prefix that needs a key; ``open_methods``: full method
+        names under it that do not (a protocol's liveness checks)."""
         self.keys = keys
         self.on_reject = on_reject
+        self.guarded = guarded
+        self.open_methods = open_methods
 
     async def intercept_service(
         self,
@@ -118,7 +128,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(GUARDED_PREFIX):
+        if (
+            handler is None
+            or not details.method.startswith(self.guarded)
+            or details.method in self.open_methods
+        ):
             return handler
         try:
             self.keys.tenant_of(details.invocation_metadata)
@@ -138,9 +152,15 @@ def _refusal(handler: grpc.RpcMethodHandler, error: UnauthenticatedError) -> Any
         await abort(context, error)
         yield  # an async generator, as the streaming handlers it stands for
 
+    async def refuse_bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context, error)
+        yield  # as refuse_stream
+
     ignore_bytes = handler._replace(request_deserializer=lambda data: None)
     if handler.unary_unary is not None:
         return ignore_bytes._replace(unary_unary=refuse)
     if handler.unary_stream is not None:
         return ignore_bytes._replace(unary_stream=refuse_stream)
-    raise AssertionError(f"GatewayService has no client-streaming method: {handler}")
+    if handler.stream_stream is not None:
+        return ignore_bytes._replace(stream_stream=refuse_bidi)
+    raise AssertionError(f"no client-streaming method is guarded: {handler}")

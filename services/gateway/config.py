@@ -60,12 +60,16 @@ class GatewayConfig:
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
     # The OpenAI-compatible HTTP API on host:http_port (0: a free port); None = off.
     http_port: int | None = None
+    # The KServe v2 / Triton gRPC protocol on host:kserve_port (0: a free port); None = off.
+    kserve_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.http_port is not None and not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        for name in ("http_port", "kserve_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.block_size < 1:

@@ -30,6 +30,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
 
 if TYPE_CHECKING:
+    from services.gateway.kserve.servicer import KServeServicer
     from services.gateway.openai.server import OpenAIServer
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,8 @@ async def start_gateway(
         holder.append(servicer)
 
     names = [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
-    interceptors: list[grpc.aio.ServerInterceptor] = [
-        TelemetryInterceptor(RpcMetrics(metrics_registry))
-    ]
+    rpc_metrics = RpcMetrics(metrics_registry)  # one set of RPC metrics for both gRPC ports
+    interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(rpc_metrics)]
     if config.api_keys is not None:
         interceptors.append(AuthInterceptor(config.api_keys, metrics.auth_rejected))
     server = await create_server(
@@ -87,9 +87,46 @@ async def start_gateway(
         tls = config.public_tls.ssl_context() if config.public_tls else None
         port = await http.start(config.host, config.http_port, tls)
         servicer.http_address = f"{'https' if tls else 'http'}://{config.host}:{port}"
+    kserve = None
+    if config.kserve_port is not None:
+        kserve = await start_kserve(config, servicer, rpc_metrics)
+        scheme = "grpcs" if config.public_tls else "grpc"
+        servicer.kserve_address = f"{scheme}://{config.host}:{kserve.server.port}"
     heartbeat = asyncio.create_task(_heartbeat(registry, servicer))
     await server.set_serving(True)
-    return server, servicer, Resources(client, heartbeat, registry, http)
+    return server, servicer, Resources(client, heartbeat, registry, http, kserve)
+
+
+@dataclass
+class KServe:
+    server: Server
+    servicer: KServeServicer
+
+
+async def start_kserve(
+    config: GatewayConfig, gateway: GatewayServicer, rpc_metrics: RpcMetrics
+) -> KServe:
+    """The KServe v2 / Triton port: its own gRPC server, the same keys, TLS and limits."""
+    from pdserve.kserve.v2 import grpc_service_pb2_grpc
+    from services.gateway.kserve.servicer import SERVICE, KServeServicer
+
+    servicer = KServeServicer(gateway)
+    interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(rpc_metrics)]
+    if config.api_keys is not None:
+        open_methods = frozenset(f"/{SERVICE}/{m}" for m in ("ServerLive", "ServerReady"))
+        interceptors.append(AuthInterceptor(
+            config.api_keys, gateway.metrics.auth_rejected, f"/{SERVICE}/", open_methods
+        ))  # fmt: skip
+    server = await create_server(
+        f"{config.host}:{config.kserve_port}",
+        lambda s: grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, s),
+        [SERVICE],
+        interceptors=interceptors,
+        credentials=config.public_tls.server_credentials() if config.public_tls else None,
+        options=[("grpc.max_receive_message_length", config.max_request_bytes)],
+        maximum_concurrent_rpcs=2 * config.max_in_flight + 64,
+    )
+    return KServe(server, servicer)
 
 
 @dataclass
@@ -100,6 +137,7 @@ class Resources:
     heartbeat: asyncio.Task[None]
     registry: WorkerRegistry
     http: OpenAIServer | None
+    kserve: KServe | None
 
 
 async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> None:
@@ -128,12 +166,17 @@ async def drain_gateway(server: Server, resources: Resources, grace_s: float) ->
     waits = [server.stop(grace_s)]
     if resources.http is not None:
         waits.append(resources.http.drain(grace_s))
+    if resources.kserve is not None:
+        resources.kserve.servicer.draining = True
+        waits.append(resources.kserve.server.stop(grace_s))
     await asyncio.gather(*waits)
 
 
 async def stop_gateway(servicer: GatewayServicer, resources: Resources) -> None:
     if resources.http is not None:
         await resources.http.stop()
+    if resources.kserve is not None:
+        await resources.kserve.server.stop(0)
     resources.heartbeat.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await resources.heartbeat
@@ -164,6 +207,8 @@ async def serve(config: GatewayConfig) -> None:
         banner = f"gateway {servicer.gateway_id} serving at {servicer.address}"
         if servicer.http_address:
             banner += f"; OpenAI-compatible HTTP at {servicer.http_address}/v1"
+        if servicer.kserve_address:
+            banner += f"; KServe v2 gRPC at {servicer.kserve_address}"
         return Started(
             server,
             on_stop=lambda: stop_gateway(servicer, resources),

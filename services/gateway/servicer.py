@@ -121,6 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.gateway_id = gateway_id
         self.address = address
         self.http_address = ""  # the OpenAI-compatible HTTP API's base URL, when served
+        self.kserve_address = ""  # the KServe v2 port, grpc://host:port, when served
         self.metrics = metrics
         self.admission = Admission(config.admission_limits, metrics.admission_rejected)
         metrics.queued_prompt_tokens.set_function(lambda: self.admission.total.queued_tokens)
@@ -420,6 +421,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     f"the worker registry (Redis) cannot be read: {exc}"
                 ) from exc
         endpoints = [self.http_address + "/v1"] if self.http_address else []
+        if self.kserve_address:
+            endpoints.append(self.kserve_address)
         statuses = await cluster_status(
             workers, self.channels, self.gateway_id, self.address, self.model, endpoints
         )

@@ -749,7 +749,7 @@ def test_notes_show_the_key_and_tls_a_first_request_needs() -> None:
     assert "PDSERVE_API_KEY" not in plain
 
 
-def test_the_gateway_serves_the_openai_api_on_its_service_or_not_at_all() -> None:
+def test_the_gateway_serves_its_http_and_kserve_ports_on_its_service_or_not_at_all() -> None:
     rendered = render()
     container = pdserve_container(rendered.deployment("gateway"))
     assert flag(container, "http-port") == "8000"
@@ -760,13 +760,21 @@ def test_the_gateway_serves_the_openai_api_on_its_service_or_not_at_all() -> Non
     tls = rendered_service_http(render(VARIANTS["public-tls"]))
     assert tls["appProtocol"] == "https"
 
-    off = render({"gateway": {"http": {"enabled": False, "port": 8000}}})
+    assert flag(container, "kserve-port") == "8001"
+    assert {"name": "kserve", "containerPort": 8001, "protocol": "TCP"} in container["ports"]
+    (kserve,) = [p for p in service["spec"]["ports"] if p["name"] == "kserve"]
+    assert (kserve["port"], kserve["targetPort"], kserve["appProtocol"]) == (
+        8001, "kserve", "kubernetes.io/h2c",
+    )  # fmt: skip
+
+    off = render({"gateway": {"http": {"enabled": False, "port": 8000},
+                              "kserve": {"enabled": False, "port": 8001}}})  # fmt: skip
     container = pdserve_container(off.deployment("gateway"))
-    assert flag(container, "http-port") == "-1"
-    assert all(p["name"] != "http" for p in container["ports"])
+    assert flag(container, "http-port") == "-1" and flag(container, "kserve-port") == "-1"
+    assert all(p["name"] not in ("http", "kserve") for p in container["ports"])
     assert "grpc" in container["readinessProbe"]  # the gRPC health check again
     service = off.one("Service", f"{RELEASE}-pdserve-gateway")
-    assert all(p["name"] != "http" for p in service["spec"]["ports"])
+    assert all(p["name"] not in ("http", "kserve") for p in service["spec"]["ports"])
 
 
 def rendered_service_http(rendered: Rendered) -> Manifest:

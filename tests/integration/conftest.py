@@ -87,7 +87,7 @@ def up_stack(
     port = free_port()
     stack = kind(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(
-        "up", "--detach", "--port", str(port), "--http-port", "0", "--prefill", "2", "--decode", "2",
+        "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--prefill", "2", "--decode", "2",
         "--model", str(smollm_dir), *up_args, timeout=900,
     )  # fmt: skip
     if started.returncode != 0:
@@ -137,7 +137,7 @@ def observed_stack(
     port = free_port()
     stack = ObservedStack(f"127.0.0.1:{port}", run_dir, env, smollm_dir, receiver)
     started = stack.cli(
-        "up", "--detach", "--port", str(port), "--http-port", "0", "--prefill", "1", "--decode", "1",
+        "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--prefill", "1", "--decode", "1",
         "--model", str(smollm_dir), "--kv-cache-memory", "128MiB", timeout=900,
     )  # fmt: skip
     if started.returncode != 0:

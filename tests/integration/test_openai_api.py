@@ -322,7 +322,7 @@ def keyed_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Ite
     port, http_port = free_port(), free_port()
     argv = [
         sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway", "--port", str(port),
-        "--http-port", str(http_port), "--model", str(stack.model_dir),
+        "--http-port", str(http_port), "--kserve-port", "0", "--model", str(stack.model_dir),
         "--worker-id", "gateway-openai", "--redis-url", state.redis_url, "--api-key", KEY,
         "--max-in-flight", "1", "--drain-grace-s", "60",
     ]  # fmt: skip

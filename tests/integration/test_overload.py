@@ -74,7 +74,7 @@ def admission_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) ->
     port = free_port()
     argv = [
         sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway",
-        "--port", str(port), "--http-port", "0", "--model", str(stack.model_dir),
+        "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--model", str(stack.model_dir),
         "--worker-id", "gateway-overload",
         "--redis-url", state.redis_url, "--api-keys-file", str(keys_file),
         "--max-in-flight", str(MAX_IN_FLIGHT),

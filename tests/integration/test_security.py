@@ -55,7 +55,7 @@ def secure_stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     port = free_port()
     stack = Stack(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(
-        "up", "--detach", "--port", str(port), "--http-port", "0", "--prefill", "1", "--decode", "1", "--mtls",
+        "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--prefill", "1", "--decode", "1", "--mtls",
         "--api-keys-file", str(keys_file), "--model", str(smollm_dir),
         "--kv-cache-memory", "128MiB", timeout=900,
     )  # fmt: skip

@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics); 0 = a free port; -1 = off",
     )
+    parser.add_argument(
+        "--kserve-port",
+        type=int,
+        default=8001,
+        help="the KServe v2 / Triton gRPC protocol (inference.GRPCInferenceService, as "
+        "tritonclient and perf_analyzer speak it); 0 = a free port; -1 = off",
+    )
     parser.add_argument("--model", default=None, help="checkpoint directory (tokenizer, config)")
     parser.add_argument("--model-name", default=None, help="served model name (dir name)")
     parser.add_argument(
@@ -181,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
         http_port=None if args.http_port < 0 else args.http_port,
+        kserve_port=None if args.kserve_port < 0 else args.kserve_port,
     )
 
 

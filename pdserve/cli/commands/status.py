@@ -162,7 +162,8 @@ def health_lines(workers: list[dict[str, object]]) -> list[str]:
     lines = []
     for w in workers:
         for url in w.get("endpoints") or []:  # type: ignore[attr-defined]
-            lines.append(f"{w['id']}: OpenAI-compatible HTTP API at {url}")
+            what = "KServe v2 gRPC" if url.startswith("grpc") else "OpenAI-compatible HTTP API"
+            lines.append(f"{w['id']}: {what} at {url}")
         if w["role"] == "gateway" and w.get("index_available") is False:
             since_ms = w["index_unavailable_since_unix_ms"]
             assert isinstance(since_ms, int)

@@ -77,6 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=8000,
         help="the gateway's OpenAI-compatible HTTP API; 0 = a free port; -1 = off",
     )
+    up.add_argument(
+        "--kserve-port",
+        type=int,
+        default=8001,
+        help="the gateway's KServe v2 / Triton gRPC port; 0 = a free port; -1 = off",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument(
@@ -338,6 +344,10 @@ def run_up(args: argparse.Namespace) -> int:
             state.http = f"{scheme}://127.0.0.1:{http_port}/v1"
         else:
             gateway_argv += ["--http-port", "-1"]
+        kserve_port = -1 if args.kserve_port < 0 else args.kserve_port or free_port()
+        gateway_argv += ["--kserve-port", str(kserve_port)]
+        if kserve_port >= 0:
+            state.kserve = f"127.0.0.1:{kserve_port}"
         keys = {"PDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}
         gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}", keys)
         state.gateway = gateway.address
@@ -359,6 +369,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     security = ", mutual TLS inside" if args.mtls else ""
     http = f", OpenAI API {state.http}" if state.http else ""
+    if state.kserve:
+        http += f", KServe v2 gRPC {state.kserve}"
     print(
         f"pdserve stack up: gateway {state.gateway}{http}, redis {redact(state.redis_url)}, "
         f"logs {logs}{security}",
