@@ -1,5 +1,6 @@
 """What each front door of the gateway costs: the gRPC API, the OpenAI-compatible HTTP API
-(/v1/completions) and its chat endpoint (/v1/chat/completions), on one stack, one run.
+(/v1/completions and /v1/chat/completions) and the KServe v2 / Triton gRPC port
+(ModelStreamInfer, one stream per request), on one stack, one run.
 
 One ``pdserve up`` stack (its defaults: 1 prefill + 1 decode worker, plus ``--up-args``);
 then ``--rounds`` rounds, each running, at concurrency 1 and then ``--concurrency``, the same
@@ -7,10 +8,11 @@ then ``--rounds`` rounds, each running, at concurrency 1 and then ``--concurrenc
 round, so no door always runs first or last): random prompts of ``--input-len`` tokens,
 ``--output-len`` tokens out with ignore_eos, every request its own cache salt (no prefix
 reuse between doors). gRPC and /v1/completions send the same token ids; chat sends their
-text as one user message, so its prompt is the chat template's few tokens longer.
+text as one user message, so its prompt is the chat template's few tokens longer; KServe
+sends the text alone (the same tokens, unless decoding and encoding again differ).
 
 The table shows TTFT and ITL p50/p99 per door and concurrency, pooled over rounds, and
-each HTTP door's difference to gRPC (the target: at most +2 ms on p50 TTFT, nothing
+each other door's difference to gRPC (the target: at most +2 ms on p50 TTFT, nothing
 measurable on ITL), with the per-round differences beside it as the run's own noise.
 
     .venv/bin/python -m loadtest.bench_front_doors                     # the full run
@@ -34,12 +36,14 @@ from typing import Any
 
 from loadtest.bench_llamacpp import CLI, OtherWork, log, noise_note, pdserve_stack
 
-DOORS = ("grpc", "http", "http-chat")
+DOORS = ("grpc", "http", "http-chat", "kserve")
 
 
-def door_flags(door: str, target: str, http_url: str) -> list[str]:
+def door_flags(door: str, target: str, http_url: str, kserve: str) -> list[str]:
     if door == "grpc":
         return ["--backend", "pdserve", "--base-url", target]
+    if door == "kserve":
+        return ["--backend", "kserve", "--base-url", kserve]
     base = http_url.removesuffix("/v1")
     return ["--backend", "openai-chat" if door == "http-chat" else "openai", "--base-url", base]
 
@@ -142,11 +146,10 @@ def format_table(summary: dict[str, Any], concurrencies: Sequence[int]) -> str:
         for c in concurrencies:
             p = summary["paired"][f"{door}-c{c}"]
             order = "paired by prompt" if c == 1 else "not paired (scheduling order differs)"
-            same = (
-                "n/a (its prompt has the chat template around it)"
-                if door == "http-chat"
-                else f"{p['same_text']}/{p['requests']}"
-            )
+            same = {
+                "http-chat": "n/a (its prompt has the chat template around it)",
+                "kserve": f"{p['same_text']}/{p['requests']} (its prompt goes as text)",
+            }.get(door, f"{p['same_text']}/{p['requests']}")
             lines.append(
                 f"{door} c{c}: TTFT - gRPC's per request, p50 {cell(p['ttft_delta_p50_ms'])} ms "
                 f"({order}); output text equal to gRPC's: {same}"
@@ -168,8 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = out / "stack"
     with pdserve_stack(run_dir, shlex.split(args.up_args)) as (target, _env):
         state = StackState.load(run_dir / "stack.json")
-        assert state is not None and state.http, "the stack serves no HTTP API"
-        doors = {d: door_flags(d, target, state.http) for d in DOORS}
+        assert state is not None and state.http and state.kserve, "a front door is off"
+        doors = {d: door_flags(d, target, state.http, state.kserve) for d in DOORS}
         pids = [c.pid for c in state.children if c.pid]  # the stack's work is not "other"
         log(f"stack: gRPC {target}, HTTP {state.http}")
         for door in DOORS:  # first-call costs before anything is measured

@@ -23,21 +23,23 @@ from loadtest.metrics import METRIC_NAMES, parse_goodput, parse_percentiles
 from loadtest.report import build_result, format_summary, save_result
 from loadtest.runner import LoadConfig, run_load
 
-DEFAULT_PORTS = {"pdserve": 50051, "openai": 8000, "openai-chat": 8000}
+DEFAULT_PORTS = {"pdserve": 50051, "openai": 8000, "openai-chat": 8000, "kserve": 8001}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="pdserve",
                         help="pdserve = the gRPC gateway; openai / openai-chat = an "
-                        "OpenAI-compatible HTTP server (completions / chat completions)")  # fmt: skip
+                        "OpenAI-compatible HTTP server (completions / chat completions); "
+                        "kserve = a KServe v2 / Triton gRPC server (vLLM backend's tensors)")  # fmt: skip
     parser.add_argument(
         "--base-url",
         default=None,
-        help="server address: host:port for pdserve, http://host:port for openai",
+        help="server address: host:port for pdserve and kserve, http://host:port for openai",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
-        "--port", type=int, default=None, help="default 50051 (pdserve), 8000 (openai)"
+        "--port", type=int, default=None,
+        help="default 50051 (pdserve), 8000 (openai), 8001 (kserve)",
     )
     parser.add_argument("--endpoint", default=None, help="HTTP path (default /v1/completions or "
                         "/v1/chat/completions)")  # fmt: skip
@@ -127,7 +129,8 @@ def base_url(args: argparse.Namespace) -> str:
     if args.base_url:
         return str(args.base_url)
     port = args.port or DEFAULT_PORTS[args.backend]
-    return f"{args.host}:{port}" if args.backend == "pdserve" else f"http://{args.host}:{port}"
+    grpc = args.backend in ("pdserve", "kserve")
+    return f"{args.host}:{port}" if grpc else f"http://{args.host}:{port}"
 
 
 def tokenizer_dir(args: argparse.Namespace) -> str:
@@ -172,6 +175,15 @@ async def make_backend(args: argparse.Namespace) -> tuple[Backend, int]:
     tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     name = args.served_model_name or args.model or Path(directory).name
     headers = headers_of(args)
+    if args.backend == "kserve":
+        from loadtest.backends.kserve_grpc import KServeBackend
+
+        if args.api_key:
+            headers["authorization"] = f"Bearer {args.api_key}"
+        kserve = KServeBackend(url, name, lambda ids: tokenizer.decode(list(ids)),
+                               metadata=headers)  # fmt: skip
+        await kserve.ready(args.ready_check_timeout_sec)
+        return kserve, tokenizer.get_vocab_size()
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
     http_backend = OpenAIHttpBackend(url, name, chat=args.backend == "openai-chat",

@@ -236,3 +236,19 @@ def test_api_keys_guard_inference_but_not_liveness(keyed: KeyedGateway, stack: S
 def test_status_lists_the_kserve_port(stack: Stack) -> None:
     shown = stack.cli("status", "--target", stack.target)
     assert f"KServe v2 gRPC at grpc://{kserve_url(stack)}" in shown.stdout, shown.stdout
+
+
+def test_bench_serve_drives_the_kserve_port(stack: Stack, tmp_path: Path) -> None:
+    """The load tester's kserve backend: one decoupled stream per request, as perf_analyzer."""
+    done = stack.cli(
+        "bench", "serve", "--backend", "kserve", "--base-url", kserve_url(stack),
+        "--model", str(stack.model_dir), "--served-model-name", stack.model_dir.name,
+        "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "6",
+        "--num-prompts", "4", "--max-concurrency", "2", "--unique-cache-salt",
+        "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "kserve.json", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "kserve.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 6

@@ -98,4 +98,6 @@ def test_default_gguf_meets_the_quality_bar_against_float(
     assert report["reference_weights"].startswith("none")
     assert report["top1_agreement"] >= 0.99
     assert report["perplexity"] == pytest.approx(report["reference_perplexity"], rel=0.01)
-    assert 0.0 <= report["kl_divergence"] <= report["kl_divergence_max"]
+    # The float weights are these Q4_1 blocks dequantized, so the two distributions agree to
+    # float32 rounding: a KL of zero, whose rounded sum may land a hair below it.
+    assert -1e-6 <= report["kl_divergence"] <= max(report["kl_divergence_max"], 0.0)

@@ -52,9 +52,13 @@ def openai_app(script: Script, api_key: str | None = None) -> web.Application:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if chat:  # vLLM's and llama-server's opening chunk: the role, no token yet
+            await response.write(sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
         for i, (delay, count) in enumerate(zip(script.delays, script.tokens, strict=True)):
             await asyncio.sleep(delay)
-            text = "x" * count
+            # The third token's text waits for a later one (a split character): a token
+            # arrives all the same.
+            text = "" if i == 2 else "x" * count
             choice = (
                 {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             )
@@ -63,6 +67,9 @@ def openai_app(script: Script, api_key: str | None = None) -> web.Application:
                 await response.write(sse({"error": {"message": "engine died"}}))
                 await response.write_eof()
                 return response
+        last = {"index": 0, "finish_reason": "length"}  # no token: the stream's end
+        await response.write(sse({"choices": [
+            {**last, "delta": {"content": ""}} if chat else {**last, "text": ""}]}))  # fmt: skip
         await response.write(sse({"choices": [], "usage": {
             "prompt_tokens": len(prompt), "completion_tokens": sum(script.tokens),
             "prompt_tokens_details": {"cached_tokens": script.cached_tokens}}}))  # fmt: skip

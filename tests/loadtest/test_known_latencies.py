@@ -46,8 +46,13 @@ def requests(n: int, first_tokens: tuple[int, ...] = ()) -> list[SampleRequest]:
     return out
 
 
-def assert_near(measured: float, scripted: float) -> None:
-    assert scripted - 0.002 <= measured <= scripted + SLACK_S, (measured, scripted)
+def assert_near(measured: float, scripted: float, early_s: float = 0.002) -> None:
+    assert scripted - early_s <= measured <= scripted + SLACK_S, (measured, scripted)
+
+
+# A gap is measured between two arrivals: when the client reads the first one late (its
+# event loop busy on a loaded box), the gap after it looks that much shorter.
+GAP_EARLY_S = 0.010
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -72,7 +77,7 @@ def test_openai_http_backend_reports_scripted_latencies(chat: bool) -> None:
         assert_near(o.ttft, 0.30)
         assert len(o.itl) == 4
         for gap in o.itl:
-            assert_near(gap, 0.15)
+            assert_near(gap, 0.15, GAP_EARLY_S)
         assert o.output_tokens == 5 and o.cached_tokens == 2
         assert_near(o.latency, 0.90)
     failures = {
@@ -107,7 +112,7 @@ def test_grpc_backend_reports_scripted_latencies_with_multi_token_chunks() -> No
     for o in done:
         assert_near(o.ttft, 0.20)
         assert o.chunk_tokens == [1, 3, 1] and o.output_tokens == 5 and o.cached_tokens == 16
-        assert len(o.itl) == 2 and all(0.10 - 0.002 <= g <= 0.10 + SLACK_S for g in o.itl)
+        assert len(o.itl) == 2 and all(0.10 - GAP_EARLY_S <= g <= 0.10 + SLACK_S for g in o.itl)
     m = calculate_metrics(outcome.outputs, outcome.duration_s)
     assert (m["completed"], m["failed"]) == (3, 2)
     assert m["error_codes"] == {"INTERNAL": 1, "RESOURCE_EXHAUSTED": 1}

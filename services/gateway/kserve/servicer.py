@@ -130,8 +130,9 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self._check(request.model_name, request.model_version)
         text = tensors.parse_request(request)
         message = gateway_pb2.GenerateRequest(
-            request_id=request.id, model=self.model, raw_prompt=text.text
-        )
+            request_id=request.id, model=self.model, raw_prompt=text.text,
+            cache_salt=text.cache_salt,
+        )  # fmt: skip
         message.sampling.CopyFrom(tensors.sampling_pb(text.sampling))
         return text, message
 

@@ -68,6 +68,7 @@ class TextRequest:
     exclude_input: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # requested; empty = all
+    cache_salt: str = ""  # pdserve's request parameter: prefix caching as GenerateRequest's
 
 
 def _element(request: InferRequest, index: int, name: str, datatype: str) -> bytes | bool:
@@ -121,9 +122,13 @@ def parse_request(request: InferRequest) -> TextRequest:
             ) from exc
         if not isinstance(sampling, dict):
             raise InvalidRequestError("inputs.sampling_parameters", "is not a JSON object")
+    cache_salt = ""
     for key, parameter in request.parameters.items():  # request parameters: the same names
-        if not key.startswith("triton_"):
-            sampling.setdefault(key, getattr(parameter, parameter.WhichOneof("parameter_choice")))
+        value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param")
+        if key == "cache_salt":
+            cache_salt = str(value)
+        elif not key.startswith("triton_"):
+            sampling.setdefault(key, value)
     outputs = [o.name for o in request.outputs]
     for name in outputs:
         if name not in OUTPUTS:
@@ -136,6 +141,7 @@ def parse_request(request: InferRequest) -> TextRequest:
         exclude_input=bool(values.get("exclude_input_in_output", False)),
         sampling=sampling,
         outputs=outputs,
+        cache_salt=cache_salt,
     )
 
 
