@@ -27,14 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_llamacpp import CLI, OtherWork, log, noise_note, pdserve_stack
+from loadtest.bench_llamacpp import (
+    CLI,
+    OtherWork,
+    log,
+    noise_note,
+    pdserve_stack,
+    run_bench_serve,
+)
 
 DOORS = ("grpc", "http", "http-chat", "kserve")
 
@@ -61,13 +67,7 @@ def bench(
             "--temperature", "0", "--unique-cache-salt", "--metric-percentiles", "50,99",
             "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out_dir),
             "--result-filename", f"{name}.json"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.bench_timeout_s)
-    (out_dir / f"{name}.txt").write_text(shlex.join(argv) + "\n" + done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench serve {name} failed:\n{done.stdout[-2000:]}\n"
-                           f"{done.stderr[-2000:]}")  # fmt: skip
-    result: dict[str, Any] = json.loads((out_dir / f"{name}.json").read_text())
-    return result
+    return run_bench_serve(argv, out_dir, name, args.bench_timeout_s)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

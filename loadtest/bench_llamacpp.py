@@ -450,6 +450,20 @@ def pdserve_prompt_tokens(target: str, prompt: Sequence[int]) -> int:
 # -- the workload --------------------------------------------------------------------------
 
 
+def run_bench_serve(
+    argv: list[str], out_dir: Path, name: str, timeout_s: float
+) -> dict[str, Any]:
+    """Runs a ``bench serve`` command line that saves ``out_dir/name.json``; keeps its
+    command and output beside it (``name.txt``) and returns the saved result."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    (out_dir / f"{name}.txt").write_text(shlex.join(argv) + "\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench serve ({name}) failed:\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-2000:]}")  # fmt: skip
+    result: dict[str, Any] = json.loads((out_dir / f"{name}.json").read_text())
+    return result
+
+
 class Workload:
     """The ``bench serve`` runs both servers get, and the prompts they send."""
 
@@ -493,13 +507,7 @@ class Workload:
                 "--temperature", "0", "--metric-percentiles", "50,90,99", "--disable-tqdm",
                 "--save-result", "--save-detailed", "--result-dir", str(out_dir),
                 "--result-filename", f"{name}.json"]  # fmt: skip
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=a.bench_timeout_s)
-        (out_dir / f"{name}.txt").write_text(shlex.join(argv) + "\n" + done.stdout + done.stderr)
-        if done.returncode != 0:
-            raise RuntimeError(f"bench serve ({name}) failed:\n{done.stdout[-2000:]}\n"
-                               f"{done.stderr[-2000:]}")  # fmt: skip
-        result: dict[str, Any] = json.loads((out_dir / f"{name}.json").read_text())
-        return result
+        return run_bench_serve(argv, out_dir, name, a.bench_timeout_s)
 
     def warm_up(self, server: list[str], label: str, out_dir: Path) -> None:
         """Prompts of their own seed, short outputs, at the high concurrency: first-call

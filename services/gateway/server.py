@@ -86,7 +86,7 @@ async def start_gateway(
         http = OpenAIServer(servicer)
         tls = config.public_tls.ssl_context() if config.public_tls else None
         port = await http.start(config.host, config.http_port, tls)
-        servicer.http_address = f"{'https' if tls else 'http'}://{config.host}:{port}"
+        servicer.http_address = f"{'https' if tls else 'http'}://{config.host}:{port}/v1"
     kserve = None
     if config.kserve_port is not None:
         kserve = await start_kserve(config, servicer, rpc_metrics)
@@ -206,7 +206,7 @@ async def serve(config: GatewayConfig) -> None:
         server, servicer, resources = await start_gateway(config, registry)
         banner = f"gateway {servicer.gateway_id} serving at {servicer.address}"
         if servicer.http_address:
-            banner += f"; OpenAI-compatible HTTP at {servicer.http_address}/v1"
+            banner += f"; OpenAI-compatible HTTP at {servicer.http_address}"
         if servicer.kserve_address:
             banner += f"; KServe v2 gRPC at {servicer.kserve_address}"
         return Started(

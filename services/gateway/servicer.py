@@ -120,7 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.gateway_id = gateway_id
         self.address = address
-        self.http_address = ""  # the OpenAI-compatible HTTP API's base URL, when served
+        self.http_address = ""  # the OpenAI-compatible API's base URL (.../v1), when served
         self.kserve_address = ""  # the KServe v2 port, grpc://host:port, when served
         self.metrics = metrics
         self.admission = Admission(config.admission_limits, metrics.admission_rejected)
@@ -420,9 +420,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise UnavailableError(
                     f"the worker registry (Redis) cannot be read: {exc}"
                 ) from exc
-        endpoints = [self.http_address + "/v1"] if self.http_address else []
-        if self.kserve_address:
-            endpoints.append(self.kserve_address)
+        endpoints = [url for url in (self.http_address, self.kserve_address) if url]
         statuses = await cluster_status(
             workers, self.channels, self.gateway_id, self.address, self.model, endpoints
         )

@@ -17,7 +17,14 @@ from typing import TypeVar
 
 import pytest
 
-from pdserve.cli.launcher import Child, StackState, free_port
+from pdserve.cli.launcher import (
+    Child,
+    StackState,
+    free_port,
+    spawn,
+    stop_children,
+    wait_serving,
+)
 from tests.polling import settle
 from tests.telemetry.otlp_receiver import OtlpReceiver
 
@@ -97,6 +104,40 @@ def up_stack(
     finally:
         stopped = stack.cli("down", timeout=120)
         assert stopped.returncode == 0, stopped.stderr
+
+
+@dataclass
+class ExtraGateway:
+    """A gateway process of a test's own on a stack's workers and Redis."""
+
+    child: Child
+    process: subprocess.Popen[bytes]
+    http_port: int
+    kserve_port: int
+
+
+@contextlib.contextmanager
+def extra_gateway(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str,
+    timeout_s: float = 60.0,
+) -> Iterator[ExtraGateway]:  # fmt: skip
+    """``pdserve gateway`` with ``flags`` (keys, bounds, grace) beside the stack's own, its
+    HTTP and KServe ports free ones; stopped at the end."""
+    state = StackState.load(stack.run_dir / "stack.json")
+    assert state is not None
+    port, http_port, kserve_port = free_port(), free_port(), free_port()
+    argv = [
+        sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway", "--port", str(port),
+        "--http-port", str(http_port), "--kserve-port", str(kserve_port),
+        "--model", str(stack.model_dir), "--worker-id", name, "--redis-url", state.redis_url,
+        *flags,
+    ]  # fmt: skip
+    child, process = spawn(name, "gateway", argv, f"127.0.0.1:{port}", tmp_path_factory.mktemp(name))
+    try:
+        wait_serving(child.address, process, child, timeout_s)
+        yield ExtraGateway(child, process, http_port, kserve_port)
+    finally:
+        stop_children([child])
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,10 @@ import grpc
 import openai
 import pytest
 
-from pdserve.cli.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving
+from pdserve.cli.launcher import Child, StackState
 from pdserve.kserve.v2 import grpc_service_pb2 as pb
 from pdserve.kserve.v2 import grpc_service_pb2_grpc
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, extra_gateway
 from tests.integration.test_cancellation import assert_everything_free
 from tests.integration.test_openai_api import grpc_greedy
 
@@ -189,21 +189,8 @@ class KeyedGateway:
 
 @pytest.fixture(scope="module")
 def keyed(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
-    state = StackState.load(stack.run_dir / "stack.json")
-    assert state is not None
-    port, kserve_port = free_port(), free_port()
-    argv = [
-        sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway", "--port", str(port),
-        "--http-port", "-1", "--kserve-port", str(kserve_port), "--model", str(stack.model_dir),
-        "--worker-id", "gateway-kserve", "--redis-url", state.redis_url, "--api-key", KEY,
-    ]  # fmt: skip
-    run_dir = tmp_path_factory.mktemp("kserve-keyed")
-    child, process = spawn("gateway-kserve", "gateway", argv, f"127.0.0.1:{port}", run_dir)
-    try:
-        wait_serving(child.address, process, child, 60)
-        yield KeyedGateway(child, f"127.0.0.1:{kserve_port}")
-    finally:
-        stop_children([child])
+    with extra_gateway(stack, tmp_path_factory, "gateway-kserve", "--api-key", KEY) as gateway:
+        yield KeyedGateway(gateway.child, f"127.0.0.1:{gateway.kserve_port}")
 
 
 def test_api_keys_guard_inference_but_not_liveness(keyed: KeyedGateway, stack: Stack) -> None:

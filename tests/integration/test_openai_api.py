@@ -23,7 +23,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -36,9 +35,9 @@ import openai
 import pytest
 
 from common.contract.sampling import SamplingParams
-from pdserve.cli.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving
+from pdserve.cli.launcher import Child, StackState
 from pdserve.client import GatewayClient
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, extra_gateway
 from tests.integration.test_cancellation import assert_everything_free
 from tests.polling import until
 
@@ -316,22 +315,10 @@ class KeyedGateway:
 @pytest.fixture(scope="module")
 def keyed_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
     """One request in flight at most, one API key, a long drain grace."""
-    state = StackState.load(stack.run_dir / "stack.json")
-    assert state is not None
-    run_dir = tmp_path_factory.mktemp("openai-keyed")
-    port, http_port = free_port(), free_port()
-    argv = [
-        sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway", "--port", str(port),
-        "--http-port", str(http_port), "--kserve-port", "0", "--model", str(stack.model_dir),
-        "--worker-id", "gateway-openai", "--redis-url", state.redis_url, "--api-key", KEY,
-        "--max-in-flight", "1", "--drain-grace-s", "60",
-    ]  # fmt: skip
-    child, process = spawn("gateway-openai", "gateway", argv, f"127.0.0.1:{port}", run_dir)
-    try:
-        wait_serving(child.address, process, child, 60)
-        yield KeyedGateway(child, process, f"http://127.0.0.1:{http_port}/v1")
-    finally:
-        stop_children([child])
+    flags = ("--api-key", KEY, "--max-in-flight", "1", "--drain-grace-s", "60")
+    with extra_gateway(stack, tmp_path_factory, "gateway-openai", *flags) as gateway:
+        yield KeyedGateway(gateway.child, gateway.process,
+                           f"http://127.0.0.1:{gateway.http_port}/v1")  # fmt: skip
 
 
 def test_keys_and_admission_answer_401_and_429_with_retry_after(

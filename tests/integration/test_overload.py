@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,9 +26,9 @@ import pytest
 
 from common.contract.sampling import SamplingParams
 from common.rpc.errors import retry_delay_ms
-from pdserve.cli.launcher import Child, StackState, free_port, spawn, stop_children, wait_serving
+from pdserve.cli.launcher import Child, StackState
 from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, extra_gateway
 from tests.integration.test_cancellation import assert_everything_free
 from tests.prompts import prompt_with_context
 
@@ -66,28 +65,18 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def admission_gateway(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    state = StackState.load(stack.run_dir / "stack.json")
-    assert state is not None
-    run_dir = tmp_path_factory.mktemp("overload")
-    keys_file = run_dir / "keys"
+    keys_file = tmp_path_factory.mktemp("overload") / "keys"
     keys_file.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "pdserve", "--log-level", "INFO", "gateway",
-        "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--model", str(stack.model_dir),
-        "--worker-id", "gateway-overload",
-        "--redis-url", state.redis_url, "--api-keys-file", str(keys_file),
+    flags = (
+        "--api-keys-file", str(keys_file),
         "--max-in-flight", str(MAX_IN_FLIGHT),
         "--max-queued-prompt-tokens", str(MAX_QUEUED_PROMPT_TOKENS),
         "--max-in-flight-per-tenant", str(PER_TENANT["in_flight"]),
         "--max-queued-prompt-tokens-per-tenant", str(PER_TENANT["queued_prompt_tokens"]),
-    ]  # fmt: skip
-    child, process = spawn("gateway-overload", "gateway", argv, f"127.0.0.1:{port}", run_dir)
-    try:
-        wait_serving(child.address, process, child, 300)
-        yield Gateway(child, child.address)
-    finally:
-        stop_children([child])
+    )  # fmt: skip
+    with extra_gateway(stack, tmp_path_factory, "gateway-overload", *flags,
+                       timeout_s=300) as gateway:  # fmt: skip
+        yield Gateway(gateway.child, gateway.child.address)
 
 
 def request(index: int) -> gateway_pb2.GenerateRequest:

@@ -27,22 +27,18 @@ from pdserve.gateway.v1 import gateway_pb2
 from pdserve.kserve.v2 import grpc_service_pb2 as pb
 from pdserve.kserve.v2 import grpc_service_pb2_grpc, model_config_pb2
 from services.gateway.kserve import tensors
+from services.gateway.relay import finish_reason_name
 from services.gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 VERSION = "1"
-_FINISH: dict[int, str] = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 _CONFIG_TYPES = {
     "BYTES": model_config_pb2.TYPE_STRING,
     "BOOL": model_config_pb2.TYPE_BOOL,
     "UINT32": model_config_pb2.TYPE_UINT32,
 }
-
-
-def _finish_name(reason: int) -> str:
-    return _FINISH.get(reason, common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower())
 
 
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -151,7 +147,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 if text.stream:
                     yield tensors.response(
                         request, self.model, reply.text, text.outputs,
-                        _finish_name(reply.finish_reason) if last else None,
+                        finish_reason_name(reply.finish_reason) if last else None,
                         reply.usage.prompt_tokens if last else None,
                         reply.usage.completion_tokens if last else None, final=last,
                     )  # fmt: skip
@@ -163,7 +159,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                         output = text.text + output
                     yield tensors.response(
                         request, self.model, output, text.outputs,
-                        _finish_name(reply.finish_reason), reply.usage.prompt_tokens,
+                        finish_reason_name(reply.finish_reason), reply.usage.prompt_tokens,
                         reply.usage.completion_tokens, final=True,
                     )  # fmt: skip
 

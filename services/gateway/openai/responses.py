@@ -1,7 +1,7 @@
 """The gateway's GenerateResponse messages -> OpenAI's response bodies and stream chunks.
 
-A ``Choice`` gathers one GenerateRequest's messages; ``completion_body`` and ``chat_body``
-turn the finished choices into one response, ``completion_chunk`` and ``chat_chunk`` turn one
+A ``Choice`` gathers one GenerateRequest's messages; ``response_body`` turns the finished
+choices into one response, ``completion_chunk`` and ``chat_chunk`` turn one
 message into one server-sent event's JSON. Token strings (for logprobs) come from
 ``TokenText``, which decodes each id once."""
 
@@ -15,13 +15,7 @@ from typing import Any
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
-
-FINISH_REASONS: dict[int, str] = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
+from services.gateway.relay import finish_reason_name
 
 
 class TokenText:
@@ -53,20 +47,18 @@ class Choice:
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
+    num_chars: int = 0  # of text so far: where the next token's text_offset starts
 
     def add(self, message: gateway_pb2.GenerateResponse) -> None:
         self.text.append(message.text)
+        self.num_chars += len(message.text)
         self.token_ids.extend(message.token_ids)
         self.logprobs.extend(message.logprobs)
         self.prompt_logprobs.extend(message.prompt_logprobs)
         if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            self.finish_reason = finish_reason(message.finish_reason)
+            self.finish_reason = finish_reason_name(message.finish_reason)
         if message.HasField("usage"):
             self.usage = message.usage
-
-
-def finish_reason(reason: int) -> str:
-    return FINISH_REASONS.get(reason, "stop")
 
 
 def usage_body(choices: Iterable[Choice]) -> dict[str, Any]:
@@ -156,20 +148,6 @@ def completion_choice(
     }
 
 
-def completion_body(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-    usage: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-    }
-
-
 # -- chat completions ---------------------------------------------------------------------
 
 
@@ -202,13 +180,14 @@ def chat_choice(choice: Choice, token_text: TokenText, want_logprobs: bool) -> d
     }
 
 
-def chat_body(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+def response_body(
+    kind: str, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
     usage: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
+    """A whole response; ``kind``: ``text_completion`` or ``chat.completion``."""
     return {
         "id": response_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": choices,

@@ -37,6 +37,7 @@ from services.gateway.openai import responses
 from services.gateway.openai.convert import chat_requests, completion_requests, from_exception
 from services.gateway.openai.models import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai.responses import Choice, TokenText
+from services.gateway.relay import finish_reason_name
 from services.gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
@@ -73,20 +74,19 @@ class _Fanout:
         self._left = len(requests)
         self._tasks: list[asyncio.Task[None]] = []
         for first in range(0, len(requests), n):
-            started = asyncio.Event()
-            for copy in range(n):
-                index = first + copy
-                task = self._run(index, requests[index], started if copy == 0 else None,
-                                 started if copy > 0 else None)  # fmt: skip
+            started = asyncio.Event()  # the prompt's first copy has its first message
+            for index in range(first, first + n):
+                task = self._run(index, requests[index], started, leads=index == first)
                 self._tasks.append(asyncio.create_task(task))
 
     async def _run(
-        self, index: int, request: gateway_pb2.GenerateRequest, started: asyncio.Event | None,
-        after: asyncio.Event | None,
+        self, index: int, request: gateway_pb2.GenerateRequest, started: asyncio.Event,
+        leads: bool,
     ) -> None:  # fmt: skip
+        """``leads``: the prompt's first copy, which sets ``started``; the others wait for it."""
         try:
-            if after is not None:
-                await after.wait()
+            if not leads:
+                await started.wait()
             with tracer().start_as_current_span(
                 "generate", attributes={"pdserve.choice": index, "pdserve.request_id":
                                         request.request_id},
@@ -94,17 +94,17 @@ class _Fanout:
                 generation = self._servicer.generate(request, self._call)
                 async with contextlib.aclosing(generation) as messages:
                     async for message in messages:
-                        if started is not None:
+                        if leads:
                             started.set()
                         self._queue.put_nowait((index, message))
             self._queue.put_nowait((index, None))
         except Exception as exc:
             self._queue.put_nowait((index, exc))
         finally:
-            if started is not None:
+            if leads:
                 started.set()  # failed before its first message: the copies go on their own
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    async def messages(self) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
         """Every message as it comes; raises the first failure."""
         while self._left:
             index, item = await self._queue.get()
@@ -125,14 +125,13 @@ class _Fanout:
 class _Endpoint:
     """What differs between the two generation endpoints."""
 
-    name: str
     body: type[CompletionRequest] | type[ChatCompletionRequest]
     to_requests: Callable[[Any, str], list[gateway_pb2.GenerateRequest]]
     id_prefix: str
 
 
-_COMPLETIONS = _Endpoint("completions", CompletionRequest, completion_requests, "cmpl")
-_CHAT = _Endpoint("chat_completions", ChatCompletionRequest, chat_requests, "chatcmpl")
+_COMPLETIONS = _Endpoint(CompletionRequest, completion_requests, "cmpl")
+_CHAT = _Endpoint(ChatCompletionRequest, chat_requests, "chatcmpl")
 
 
 class OpenAIServer:
@@ -297,7 +296,7 @@ class OpenAIServer:
         choices = [Choice(index=i, copy=i % body.n) for i in range(len(generate))]
         fanout = _Fanout(self.servicer, generate, body.n, call)
         try:
-            messages = fanout.__aiter__()
+            messages = fanout.messages()
             # The first message before any byte of the response: a request refused
             # (admission, context length, model) gets its HTTP status.
             first = await anext(messages, None)
@@ -314,16 +313,16 @@ class OpenAIServer:
         if endpoint is _CHAT:
             want = bool(body.logprobs)
             rendered = [responses.chat_choice(c, self.token_text, want) for c in choices]
-            return web.json_response(responses.chat_body(response_id, created, model, rendered,
-                                                         usage))  # fmt: skip
+            return web.json_response(responses.response_body(
+                "chat.completion", response_id, created, model, rendered, usage))  # fmt: skip
         want = body.logprobs is not None
         rendered = [
             responses.completion_choice(c, self.token_text, want, echo[c.index] if echo else None)
             for c in choices
         ]
-        return web.json_response(
-            responses.completion_body(response_id, created, model, rendered, usage)
-        )
+        body = responses.response_body("text_completion", response_id, created, model, rendered,
+                                       usage)  # fmt: skip
+        return web.json_response(body)
 
     async def _echo(
         self, requests: list[gateway_pb2.GenerateRequest], n: int
@@ -404,15 +403,11 @@ class _ChunkWriter:
 
     def event(self, choice: Choice, message: gateway_pb2.GenerateResponse) -> bytes:
         first = not choice.text
-        offset = sum(map(len, choice.text))  # text_offset goes on from the previous chunks
+        offset = choice.num_chars  # text_offset goes on from the previous chunks
         if self.echo is not None:
             offset += len(self.echo[choice.index][0])
         choice.add(message)  # for the usage at the end
-        finish = (
-            responses.finish_reason(message.finish_reason)
-            if message.finish_reason
-            else None
-        )
+        finish = finish_reason_name(message.finish_reason) if message.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = {"content": message.text}
             if first:
