@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # What the integration tests need outside Python: a real redis-server, Node.js for the
-# cross-language client test, and that test's npm packages. Installs only what is missing.
+# cross-language client test and that test's npm packages, and curl (the HTTP API's SSE
+# test). Installs only what is missing.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
+command -v curl >/dev/null || need+=(curl)
 if ((${#need[@]})); then
   SUDO=""
   [[ $(id -u) -eq 0 ]] || SUDO="sudo"
