@@ -41,6 +41,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=None,
         help="default 50051 (pdserve), 8000 (openai), 8001 (kserve)",
     )
+    parser.add_argument("--prompt-as-text", action="store_true",
+                        help="pdserve backend: send each prompt as its text (raw_prompt, "
+                        "tokenized by the gateway) instead of token ids, as the KServe "
+                        "backend does")  # fmt: skip
     parser.add_argument("--endpoint", default=None, help="HTTP path (default /v1/completions or "
                         "/v1/chat/completions)")  # fmt: skip
     parser.add_argument(
@@ -158,9 +162,14 @@ async def make_backend(args: argparse.Namespace) -> tuple[Backend, int]:
     if args.backend == "pdserve":
         from loadtest.backends.grpc_gateway import GrpcGatewayBackend
 
+        detokenize = None
+        if args.prompt_as_text:
+            text_tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir(args)) / "tokenizer.json"))
+            detokenize = lambda ids: text_tokenizer.decode(list(ids))  # noqa: E731
         grpc_backend = GrpcGatewayBackend(
-            url, api_key=args.api_key, tls_ca=args.tls_ca, metadata=headers_of(args)
-        )
+            url, api_key=args.api_key, tls_ca=args.tls_ca, metadata=headers_of(args),
+            detokenize=detokenize,
+        )  # fmt: skip
         await grpc_backend.ready(args.ready_check_timeout_sec)
         if args.tokenizer:
             vocab = Tokenizer.from_file(

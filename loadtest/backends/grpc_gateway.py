@@ -1,10 +1,12 @@
 """pdserve's GatewayService over gRPC: prompts go as token ids, so prompt lengths are exact
-and output tokens are counted from the streamed ``token_ids``."""
+(or, with ``detokenize``, as text), and output tokens are counted from the streamed
+``token_ids``."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -34,9 +36,13 @@ class GrpcGatewayBackend(Backend):
         api_key: str | None = None,
         tls_ca: str | None = None,
         metadata: dict[str, str] | None = None,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         """``api_key``: sent as ``authorization: Bearer KEY``; ``tls_ca``: PEM CA of a
-        gateway whose public port serves TLS; ``metadata``: more headers on every call."""
+        gateway whose public port serves TLS; ``metadata``: more headers on every call;
+        ``detokenize``: send each prompt as this text of its ids (``raw_prompt``, the
+        gateway tokenizes it) instead of the ids."""
+        self.detokenize = detokenize
         self.target = grpc_target(target)
         self.timeout_s = timeout_s
         headers = {k.lower(): v for k, v in (metadata or {}).items()}
@@ -79,7 +85,10 @@ class GrpcGatewayBackend(Backend):
     ) -> RequestOutput:
         out = RequestOutput(request_id, request.prompt_len, request.category)
         message = gateway_pb2.GenerateRequest(request_id=request_id, cache_salt=options.cache_salt)
-        message.token_ids.ids.extend(request.prompt_token_ids)
+        if self.detokenize is not None:
+            message.raw_prompt = self.detokenize(request.prompt_token_ids)
+        else:
+            message.token_ids.ids.extend(request.prompt_token_ids)
         SamplingParams(
             max_tokens=request.expected_output_len,
             temperature=options.temperature,
