@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.contract.structured import MAX_CONSTRAINT_CHARS, StructuredOutput
 from common.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the engine imports this module and no generated stub at run time
@@ -46,6 +47,8 @@ class SamplingParams:
     # vLLM's min_tokens: before this many tokens are generated, end-of-sequence and stop
     # token ids are masked out of the sampler's distribution and stop strings do not stop.
     min_tokens: int = 0
+    # Structured output: the output must satisfy this constraint (None = unconstrained).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -106,6 +109,14 @@ class SamplingParams:
                 "sampling.stop_token_ids",
                 f"{len(pb.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}",
             )
+        which = pb.structured_output.WhichOneof("constraint")
+        if which is not None and which != "json_object":
+            size = len(getattr(pb.structured_output, which))
+            if size > MAX_CONSTRAINT_CHARS:
+                raise InvalidRequestError(
+                    f"sampling.structured_output.{which}",
+                    f"{size} characters; at most {MAX_CONSTRAINT_CHARS}",
+                )
 
     @classmethod
     def from_pb(cls, pb: SamplingParamsPb, default_max_tokens: int) -> SamplingParams:
@@ -130,6 +141,9 @@ class SamplingParams:
             prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
             speculative=not pb.disable_speculation,
             min_tokens=pb.min_tokens,
+            structured_output=StructuredOutput.from_pb(pb.structured_output)
+            if pb.HasField("structured_output")
+            else None,
         )
 
     def to_pb(self, pb: SamplingParamsPb) -> SamplingParamsPb:
@@ -155,6 +169,10 @@ class SamplingParams:
             pb.ClearField("prompt_logprobs")
         pb.disable_speculation = not self.speculative
         pb.min_tokens = self.min_tokens
+        if self.structured_output is not None:
+            self.structured_output.to_pb(pb.structured_output)
+        else:
+            pb.ClearField("structured_output")
         return pb
 
     @property

@@ -35,6 +35,7 @@ import torch
 from common.contract.model_spec import ModelSpec, load_spec
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
+from common.engine.grammar import GrammarCompiler, GrammarState, StepMasks
 from common.engine.kv_manager import KVCacheManager
 from common.engine.model_runner import ModelRunner
 from common.engine.request import (
@@ -137,6 +138,9 @@ class Engine:
             propose=self._propose if self.proposer is not None else None,
         )  # fmt: skip
         self.sampler = Sampler(self.spec.vocab_size)
+        eos = self.spec.eos_token_ids
+        self.grammars = GrammarCompiler(config.model, self.spec.vocab_size, eos[0] if eos else None)
+        self.grammar_masks = StepMasks(self.grammars.stats, self.spec.vocab_size)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -170,10 +174,17 @@ class Engine:
         kv_import: KvImport | None = None,
         write_behind: bool = False,
         keep_prompt_rows: bool = False,
+        grammar: GrammarState | None = None,
     ) -> Request:
+        """``grammar``: the request's matcher when the caller compiled it already
+        (``self.grammars.compile``, on a thread of its own); else it compiles here."""
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
         self.validate(prompt_token_ids, sampling, len(output_token_ids or ()))
+        if sampling.structured_output is not None:
+            if grammar is None:
+                grammar = self.grammars.compile(sampling.structured_output)
+            grammar.replay(output_token_ids or [])
         if sampling.prompt_logprobs is not None:
             kv_import = None  # every prompt position is computed here, as for prefix hits
         if kv_import is not None:
@@ -191,6 +202,7 @@ class Engine:
             write_behind=write_behind and not prefill_only,
             weight_identity=self.weight_identity,
             keep_prompt_rows=keep_prompt_rows,
+            grammar=grammar,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -274,6 +286,9 @@ class Engine:
                 num_known = item.request.num_computed_tokens // self.block_size
                 item.request.num_written_blocks = num_known
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
+        # Structured output: the constrained rows' masks are computed while the forward
+        # pass runs (llguidance drops the GIL), from the matchers' state before this step.
+        pending_masks = self.grammar_masks.start(plan.scheduled)
         step = self.runner.execute(plan.scheduled, block_tables)
         decode_step = (
             self.proposer is not None
@@ -297,7 +312,11 @@ class Engine:
             draft = item.draft_token_ids
             rows_of.append(item.request)
             rows_of.extend(VerifyRow(item.request, draft[:j]) for j in range(1, len(draft) + 1))
-        result = self.sampler(logits, rows_of)
+        masks = self.grammar_masks.finish(pending_masks, sampling, len(rows_of))
+        # Unconstrained steps call the sampler as ever (tests wrap it with two arguments).
+        result = (
+            self.sampler(logits, rows_of) if masks is None else self.sampler(logits, rows_of, masks)
+        )
         row = 0
         for item in sampling:
             req, draft = item.request, item.draft_token_ids

@@ -111,6 +111,10 @@ class EngineLoop:
             if self._owners.get(request_id) is stream:
                 del self._owners[request_id]
 
+        constraint = sampling.structured_output
+        if constraint is not None and "grammar" not in kwargs:
+            # Compiled here, off the engine thread (llguidance drops the GIL meanwhile).
+            kwargs["grammar"] = await asyncio.to_thread(self.engine.grammars.compile, constraint)
         finished = False
         try:
             await self.call(add)

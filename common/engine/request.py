@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -10,8 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from common.contract.sampling import SamplingParams
+from common.engine.grammar import GrammarState
 from common.engine.speculative.policy import Acceptance
 from common.kv.hashing import BlockHash, extra_keys_for, hash_block, root_hash
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +87,7 @@ class Request:
         write_behind: bool = False,
         weight_identity: str | None = None,
         keep_prompt_rows: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -127,6 +132,8 @@ class Request:
         self.num_spec_rounds = 0  # verify steps, proposals verified, proposals kept
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
+        # Structured output: the matcher, advanced over every verified output token.
+        self.grammar = grammar
         self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
 
@@ -173,8 +180,14 @@ class Request:
     def append_token(self, token_id: int, max_model_len: int) -> bool:
         """Adds a sampled token; returns True if it finishes the request."""
         self.token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.advance(token_id):
+            # The sampler masks every token the constraint refuses: a bug if it comes here.
+            log.error("request %s: token %d breaks its %s: %s", self.request_id, token_id,
+                      self.grammar.constraint.kind.value, self.grammar.error)  # fmt: skip
         if token_id in self.stop_ids:
             self.finish_reason = FinishReason.STOP
+        elif self.grammar is not None and self.grammar.done:
+            self.finish_reason = FinishReason.STOP  # the constraint is complete
         elif self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

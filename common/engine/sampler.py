@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from common.contract.sampling import SamplingParams
+from common.engine.grammar import apply_masks
 from common.engine.request import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -65,10 +66,20 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> SampleResult:
-        """logits: [n, V] float32 (may be wider than V: padded vocab columns are dropped)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingRow],
+        masks: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> SampleResult:
+        """logits: [n, V] float32 (may be wider than V: padded vocab columns are dropped).
+        masks: structured output's token bitmasks [n, W] int32 and the rows they constrain
+        (common/engine/grammar.py); a refused token is never drawn, and the logprobs of a
+        constrained row are those of its masked distribution."""
         logits = logits[:, : self.vocab_size]
         logits = self._apply_penalties(logits, requests)
+        if masks is not None:
+            logits = apply_masks(logits, masks[0], masks[1])
         logits = self._mask_early_stops(logits, requests)
         raw_logprobs = None
         if any(r.sampling.logprobs or r.sampling.top_logprobs for r in requests):

@@ -93,6 +93,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         span = tracer().start_span(
             "decode", attributes={"pdserve.local_prefill": source != "kv_handle"}
         )
+        if sampling.structured_output is not None:  # rebuilt here from the tokens so far
+            span.set_attribute("pdserve.structured_output", sampling.structured_output.kind.value)
         stream = _Stream(arrival, admitted, metrics)
         published = False
         outputs = runtime.loop.generate(

@@ -39,6 +39,7 @@ from services.gateway.admission import Admission, Ticket, estimate_prompt_tokens
 from services.gateway.auth import tenant_cache_salt
 from services.gateway.call import Call
 from services.gateway.config import GatewayConfig
+from services.gateway.constraints import ConstraintChecker
 from services.gateway.decode_stream import DecodeStreamer
 from services.gateway.directory import WorkerDirectory
 from services.gateway.frontend import check_sizes, prompt_token_ids
@@ -124,6 +125,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.kserve_address = ""  # the KServe v2 port, grpc://host:port, when served
         self.metrics = metrics
         self.admission = Admission(config.admission_limits, metrics.admission_rejected)
+        self.constraints = ConstraintChecker(metrics.registry)
         metrics.queued_prompt_tokens.set_function(lambda: self.admission.total.queued_tokens)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.num_in_flight = 0
@@ -237,6 +239,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         sampling = SamplingParams.from_pb(request.sampling, limit - len(prompt))
         sampling.check_vocab(self.spec.vocab_size)
+        if sampling.structured_output is not None:
+            with tracer().start_as_current_span("compile_constraint"):
+                await self.constraints.check(sampling.structured_output)
         if request.request_id in self._request_ids:
             raise AlreadyExistsError(f"a request with id {request.request_id!r} is in flight")
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"

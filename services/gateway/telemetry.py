@@ -50,6 +50,8 @@ def describe_request(
         span.set_attribute("gen_ai.request.seed", sampling.seed)
     if sampling.stop:
         span.set_attribute("gen_ai.request.stop_sequences", list(sampling.stop))
+    if sampling.structured_output is not None:
+        span.set_attribute("pdserve.structured_output", sampling.structured_output.kind.value)
 
 
 def route_attributes(route: Route) -> dict[str, str | int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
+from common.engine.grammar import GrammarStats
 from common.engine.speculative.stats import SpecDecodeStats
 from common.kv.leases import LeaseTable
 from common.telemetry.metrics import (
@@ -49,13 +51,15 @@ class EngineSnapshot:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     spec: SpecDecodeStats | None = None  # engines with a --speculative-config
+    grammar: GrammarStats | None = None  # structured output
 
 
 def read_snapshot(engine: Engine) -> EngineSnapshot:
     """Engine thread only."""
     spec = engine.spec_stats.copy() if engine.speculative is not None else None
     return EngineSnapshot(
-        engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens, spec
+        engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens, spec,
+        dataclasses.replace(engine.grammars.stats),
     )
 
 
@@ -209,6 +213,28 @@ class EngineCollector(Collector):
             counter("kv_lease_expiries", "Leases that expired unreleased.",
                     self.leases.num_expired),
             *self._spec_families(snapshot.spec if snapshot else None, counter),
+            *self._grammar_families(snapshot.grammar if snapshot else None, counter),
+        ]  # fmt: skip
+
+    def _grammar_families(
+        self, grammar: GrammarStats | None, counter: Callable[[str, str, float | None], Metric]
+    ) -> list[Metric]:
+        """Structured output: grammars compiled and what their token masks cost."""
+        g = grammar or GrammarStats()
+        return [
+            counter("structured_output_grammars_compiled",
+                    "Constraints compiled against the tokenizer (compiled-grammar cache misses).",
+                    g.num_compiled),
+            counter("structured_output_grammar_cache_hits",
+                    "Constrained requests whose grammar was compiled already.", g.num_cache_hits),
+            counter("structured_output_compile_seconds",
+                    "Seconds spent compiling grammars.", g.compile_seconds),
+            counter("structured_output_mask_steps",
+                    "Engine steps that computed token masks for constrained rows.",
+                    g.num_mask_steps),
+            counter("structured_output_mask_seconds",
+                    "Seconds spent computing token masks (divide by mask_steps: per step).",
+                    g.mask_seconds),
         ]  # fmt: skip
 
     def _spec_families(

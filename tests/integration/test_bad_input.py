@@ -64,6 +64,12 @@ def hello(**values: object) -> gateway_pb2.GenerateRequest:
     return sampled(generate(raw_prompt="Hello"), **values)
 
 
+def constrained(**constraint: str) -> gateway_pb2.GenerateRequest:
+    request = hello()
+    request.sampling.structured_output.CopyFrom(common_pb2.StructuredOutput(**constraint))
+    return request
+
+
 def with_id(request_id: str, max_tokens: int = 4) -> gateway_pb2.GenerateRequest:
     request = hello(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request.request_id = request_id
@@ -111,6 +117,21 @@ CASES = [
         "max_tokens_past_the_context",
         "sampling.max_tokens",
         lambda info: hello(max_tokens=info.max_context_tokens),
+    ),
+    _invalid(
+        "regex_that_does_not_compile",
+        "sampling.structured_output.regex",
+        lambda i: constrained(regex="[a-z"),
+    ),
+    _invalid(
+        "json_schema_llguidance_rejects",
+        "sampling.structured_output.json_schema",
+        lambda i: constrained(json_schema='{"type": "objekt"}'),
+    ),
+    _invalid(
+        "grammar_with_an_undefined_rule",
+        "sampling.structured_output.grammar",
+        lambda i: constrained(grammar="start: nowhere"),
     ),
     _invalid("negative_temperature", "sampling.temperature", lambda i: hello(temperature=-0.5)),
     _invalid("nan_temperature", "sampling.temperature", lambda i: hello(temperature=math.nan)),

@@ -90,3 +90,21 @@ def test_responses_carry_the_requested_outputs_and_the_final_flag() -> None:
     only = tensors.response(request, "m", "Hi", ["text_output"], "stop", 1, 1)
     assert [o.name for o in only.outputs] == ["text_output"]
     assert "triton_final_response" not in only.parameters
+
+
+def test_vllm_structured_outputs_in_sampling_parameters() -> None:
+    pb = tensors.sampling_pb({"structured_outputs": {"regex": "[0-9]+"}})
+    assert pb.structured_output.regex == "[0-9]+"
+    pb = tensors.sampling_pb({"guided_decoding": {"choice": ["yes", "no"]}})
+    assert pb.structured_output.regex == "(yes|no)"
+    pb = tensors.sampling_pb({"structured_outputs": {"json": {"type": "object"}}})
+    assert json.loads(pb.structured_output.json_schema) == {"type": "object"}
+    for params, field in (
+        ({"structured_outputs": {"regex": "a", "grammar": "start: a"}},
+         "sampling_parameters.structured_outputs"),
+        ({"structured_outputs": "regex"}, "sampling_parameters.structured_outputs"),
+        ({"guided_decoding": {"choice": []}}, "sampling_parameters.guided_decoding.choice"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidRequestError) as refused:
+            tensors.sampling_pb(params)
+        assert refused.value.field == field

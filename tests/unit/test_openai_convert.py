@@ -3,6 +3,8 @@ the gateway's errors onto OpenAI's error shape and HTTP status."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -156,3 +158,71 @@ def test_gateway_errors_keep_their_meaning_over_http() -> None:
         assert body["error"]["message"]
     _, body = from_exception(InvalidRequestError("sampling.max_tokens", "too many"))
     assert body["error"]["param"] == "sampling.max_tokens"
+
+
+def constraint_of(message: object) -> object:
+    return sampling(message).structured_output
+
+
+def test_response_format_and_vllm_extras_become_the_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = ChatCompletionRequest.model_validate({**chat, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}})
+    (request,) = chat_requests(body, "c")
+    got = constraint_of(request)
+    assert got is not None and got.kind.value == "json_schema"  # type: ignore[attr-defined]
+    assert json.loads(got.text) == schema  # type: ignore[attr-defined]
+    body = ChatCompletionRequest.model_validate({**chat, "response_format": {"type": "json_object"}})
+    assert constraint_of(chat_requests(body, "c")[0]).kind.value == "json_object"  # type: ignore[attr-defined]
+    body = ChatCompletionRequest.model_validate({**chat, "response_format": {"type": "text"}})
+    assert constraint_of(chat_requests(body, "c")[0]) is None
+    for extra, kind, text in (
+        ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+        ({"guided_choice": ["a.b", "c"]}, "regex", r"(a\.b|c)"),
+        ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"'),
+        ({"structured_outputs": {"json": '{"type": "string"}'}}, "json_schema",
+         '{"type": "string"}'),
+    ):  # fmt: skip
+        body = CompletionRequest.model_validate({"model": "m", "prompt": "p", **extra})
+        got = constraint_of(completion_requests(body, "c")[0])
+        assert (got.kind.value, got.text) == (kind, text), extra  # type: ignore[attr-defined]
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "p", "guided_regex": "a", "response_format": {"type": "json_object"}}
+    )
+    with pytest.raises(InvalidRequestError, match="at most one constraint") as refused:
+        completion_requests(body, "c")
+    assert refused.value.field == "guided_regex"
+
+
+def test_a_forced_tool_call_constrains_to_its_arguments() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    other = {"type": "function", "function": {"name": "g"}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool, other]}
+    named = ChatCompletionRequest.model_validate(
+        {**chat, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    got = constraint_of(chat_requests(named, "c")[0])
+    assert json.loads(got.text) == tool["function"]["parameters"]  # type: ignore[attr-defined,index]
+    required = ChatCompletionRequest.model_validate({**chat, "tool_choice": "required"})
+    schema = json.loads(constraint_of(chat_requests(required, "c")[0]).text)  # type: ignore[attr-defined]
+    assert [v["properties"]["name"]["const"] for v in schema["anyOf"]] == ["f", "g"]
+    for choice in ("auto", "none"):  # the model answers in text
+        body = ChatCompletionRequest.model_validate({**chat, "tool_choice": choice})
+        assert constraint_of(chat_requests(body, "c")[0]) is None
+    unknown = ChatCompletionRequest.model_validate(
+        {**chat, "tool_choice": {"type": "function", "function": {"name": "h"}}})
+    with pytest.raises(InvalidRequestError) as refused:
+        chat_requests(unknown, "c")
+    assert refused.value.field == "tool_choice.function.name"
+
+
+def test_tool_calls_read_back_from_the_output() -> None:
+    from services.gateway.openai.structured import ToolMode
+
+    (call,) = ToolMode("f").tool_calls('{"x": 3}') or []
+    assert call["function"] == {"name": "f", "arguments": '{"x": 3}'}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    (call,) = ToolMode(None).tool_calls('{"name": "g", "arguments": {}}') or []
+    assert call["function"] == {"name": "g", "arguments": "{}"}
+    assert ToolMode("f").tool_calls('{"x": ') is None  # cut short at max_tokens

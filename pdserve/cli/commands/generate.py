@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from common.contract.sampling import SamplingParams
+from common.contract.structured import ConstraintKind, StructuredOutput
 from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 from pdserve.client import add_client_args
 
@@ -28,14 +30,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="never speculate on these requests (sampling.disable_speculation)",
     )
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="SCHEMA",
+                            help="structured output: the output is JSON valid against this "
+                            "JSON Schema (its JSON text, or @FILE)")  # fmt: skip
+    constraint.add_argument("--json-object", action="store_true",
+                            help="structured output: any JSON object")  # fmt: skip
+    constraint.add_argument("--regex", help="structured output: the output matches this regex")
+    constraint.add_argument("--grammar", metavar="GRAMMAR",
+                            help="structured output: a context-free grammar in llguidance's "
+                            "Lark syntax or GBNF (its text, or @FILE)")  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template: tokenizer(prompt)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
 
+def _text_or_file(value: str) -> str:
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
+def constraint_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    if getattr(args, "json_schema", None):
+        return StructuredOutput(ConstraintKind.JSON_SCHEMA, _text_or_file(args.json_schema))
+    if getattr(args, "json_object", False):
+        return StructuredOutput(ConstraintKind.JSON_OBJECT)
+    if getattr(args, "regex", None):
+        return StructuredOutput(ConstraintKind.REGEX, args.regex)
+    if getattr(args, "grammar", None):
+        return StructuredOutput(ConstraintKind.GRAMMAR, _text_or_file(args.grammar))
+    return None
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
+        structured_output=constraint_from_args(args),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

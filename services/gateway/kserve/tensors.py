@@ -23,6 +23,7 @@ from common.errors import InvalidRequestError
 from pdserve.common.v1 import common_pb2
 from pdserve.kserve.v2.grpc_service_pb2 import ModelInferRequest as InferRequest
 from pdserve.kserve.v2.grpc_service_pb2 import ModelInferResponse as InferResponse
+from services.gateway.constraints import vllm_constraints
 
 INPUTS = {  # name -> (datatype, required)
     "text_input": ("BYTES", True),
@@ -168,6 +169,9 @@ _FIELDS: dict[str, type] = {
 }  # fmt: skip
 
 
+_LISTS = ("stop", "stop_token_ids", "structured_outputs", "guided_decoding")
+
+
 def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
     """vLLM's sampling parameter names onto the gateway's SamplingParams."""
     pb = common_pb2.SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
@@ -182,6 +186,14 @@ def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise InvalidRequestError("sampling_parameters.stop", "a string or strings")
             pb.stop.extend(stops)
+        elif key in ("structured_outputs", "guided_decoding"):  # vLLM's, either name
+            found = vllm_constraints(value, f"sampling_parameters.{key}")
+            if len(found) > 1 or (found and pb.HasField("structured_output")):
+                raise InvalidRequestError(
+                    f"sampling_parameters.{key}", "at most one constraint per request"
+                )
+            if found:
+                pb.structured_output.CopyFrom(found[0][1])
         elif key == "stop_token_ids":
             if not isinstance(value, list):
                 raise InvalidRequestError("sampling_parameters.stop_token_ids", "a list")
@@ -189,7 +201,7 @@ def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
         else:
             raise InvalidRequestError(
                 f"sampling_parameters.{key}",
-                f"unknown; this model takes {sorted([*_FIELDS, 'stop', 'stop_token_ids'])}",
+                f"unknown; this model takes {sorted([*_FIELDS, *_LISTS])}",
             )
     if pb.max_tokens < 1:
         raise InvalidRequestError("sampling_parameters.max_tokens", "must be >= 1")

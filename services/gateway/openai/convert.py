@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from common.errors import InvalidRequestError, PdserveError
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
+from services.gateway.openai import structured
 from services.gateway.openai.models import ChatCompletionRequest, CompletionRequest, _Sampling
 
 # PdserveError.reason (the gRPC status a servicer answers with) -> HTTP status.
@@ -98,6 +99,9 @@ def _sampling(
         pb.seed = (body.seed + copy) % (1 << 64)
     if prompt_logprobs is not None:
         pb.prompt_logprobs = prompt_logprobs
+    constraint, _ = structured.constraint(body)
+    if constraint is not None:
+        pb.structured_output.CopyFrom(constraint)
     return pb
 
 

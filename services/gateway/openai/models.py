@@ -5,7 +5,7 @@ rest (context length, vocabulary, stop-string sizes) by the gateway as for gRPC 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,20 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = ""
+    description: str | None = None
+    schema_: Annotated[Any, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -42,6 +56,13 @@ class _Sampling(_Body):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     cache_salt: str = ""  # vLLM's: requests share cached KV only under the same salt
+    # Structured output (openai/structured.py): OpenAI's response_format, vLLM's extras.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -90,3 +111,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Function tools; only a forced call ("required" or a named one) is constrained.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None

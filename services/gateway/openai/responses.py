@@ -15,6 +15,7 @@ from typing import Any
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
+from services.gateway.openai.structured import ToolMode
 from services.gateway.relay import finish_reason_name
 
 
@@ -171,12 +172,23 @@ def chat_logprobs(
     }
 
 
-def chat_choice(choice: Choice, token_text: TokenText, want_logprobs: bool) -> dict[str, Any]:
+def chat_choice(
+    choice: Choice, token_text: TokenText, want_logprobs: bool, tool_mode: ToolMode | None = None
+) -> dict[str, Any]:
+    """With ``tool_mode`` (a forced tool call) a complete output is the message's
+    ``tool_calls`` (finish reason ``tool_calls``); an incomplete one stays its content."""
+    text = "".join(choice.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish_reason = choice.finish_reason
+    calls = tool_mode.tool_calls(text) if tool_mode is not None else None
+    if calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": "".join(choice.text)},
+        "message": message,
         "logprobs": chat_logprobs(choice.logprobs, token_text) if want_logprobs else None,
-        "finish_reason": choice.finish_reason,
+        "finish_reason": finish_reason,
     }
 
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from common.errors import DrainingError, PdserveError, QueueFullError, UnauthenticatedError
 from common.telemetry.tracing import tracer
 from pdserve.gateway.v1 import gateway_pb2
-from services.gateway.openai import responses
+from services.gateway.openai import responses, structured
 from services.gateway.openai.convert import chat_requests, completion_requests, from_exception
 from services.gateway.openai.models import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai.responses import Choice, TokenText
@@ -312,7 +312,8 @@ class OpenAIServer:
         usage = responses.usage_body(choices)
         if endpoint is _CHAT:
             want = bool(body.logprobs)
-            rendered = [responses.chat_choice(c, self.token_text, want) for c in choices]
+            tools = structured.constraint(body)[1]
+            rendered = [responses.chat_choice(c, self.token_text, want, tools) for c in choices]
             return web.json_response(responses.response_body(
                 "chat.completion", response_id, created, model, rendered, usage))  # fmt: skip
         want = body.logprobs is not None
@@ -400,6 +401,7 @@ class _ChunkWriter:
             "model": server.servicer.model,
         }
         self.include_usage = include_usage
+        self.tool_mode = structured.constraint(body)[1] if self.chat else None
 
     def event(self, choice: Choice, message: gateway_pb2.GenerateResponse) -> bytes:
         first = not choice.text
@@ -410,6 +412,10 @@ class _ChunkWriter:
         finish = finish_reason_name(message.finish_reason) if message.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = {"content": message.text}
+            if self.tool_mode is not None:  # the call goes out whole, with the last chunk
+                delta = {"content": ""} if finish is None else self._tool_delta(choice)
+                if "tool_calls" in delta and finish == "stop":
+                    finish = "tool_calls"
             if first:
                 delta = {"role": "assistant", **delta}
             logprobs = (
@@ -449,6 +455,14 @@ class _ChunkWriter:
         if self.include_usage:
             payload["usage"] = None
         return _sse(payload)
+
+    def _tool_delta(self, choice: Choice) -> dict[str, Any]:
+        assert self.tool_mode is not None
+        text = "".join(choice.text)
+        calls = self.tool_mode.tool_calls(text)
+        if calls is None:
+            return {"content": text}  # incomplete: what there is, as text
+        return {"content": None, "tool_calls": [{"index": 0, **calls[0]}]}
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
