@@ -113,6 +113,7 @@ def tpot_ms(results: Sequence[Timed]) -> list[float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from common.contract.sampling import SamplingParams
     from common.contract.structured import ConstraintKind, StructuredOutput
+    from pdserve.cli.launcher import StackState
 
     out = Path(args.result_dir or tempfile.mkdtemp(prefix="structured-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {}
     valid = total = 0
     with pdserve_stack(out / "stack", shlex.split(args.up_args)) as (target, _env):
+        state = StackState.load(out / "stack" / "stack.json")
+        assert state is not None
+        pids = [c.pid for c in state.children if c.pid]  # the stack's work is not "other"
         warm = [SamplingParams(max_tokens=16, structured_output=constraint)] * 4
         asyncio.run(arm(target, ["Warm up."] * 4, warm, 4))
         for i in range(args.rounds):
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seeds = [1000 * i + k for k in range(n)]
                 tight = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=s,
                                         structured_output=constraint) for s in seeds]  # fmt: skip
-                with OtherWork([]) as meter:
+                with OtherWork(pids) as meter:
                     constrained, wall_c = asyncio.run(arm(target, prompts, tight, c))
                 lengths = [r.num_tokens for r in constrained]
                 loose = [SamplingParams(max_tokens=m, min_tokens=m, temperature=1.0, seed=s)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.contract.structured import FIELD, StructuredOutput, parser_limits
@@ -36,7 +37,7 @@ from common.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)  # [32]
+_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -168,13 +169,24 @@ def step_masks(
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """logits [n, V] with every token that ``masks`` [n, W] refuses at ``rows`` set to
-    -inf (a new tensor; other rows as they were)."""
-    index = torch.tensor(list(rows), dtype=torch.long)
+    -inf (a new tensor; other rows as they were). Done with two float adds of a bias that is
+    0 where allowed and -FLT_MAX where refused (the second add overflows to exactly -inf),
+    the bias built in numpy: a bool mask through masked_fill or where, or torch's uint8 to
+    float conversion, cost several times that on this CPU (16 rows of 49152: 5.5 -> 1.6 ms)."""
     vocab = logits.shape[1]
-    words = masks.index_select(0, index)  # [r, W]
-    allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab]  # [r, V]
+    every = len(rows) == logits.shape[0]
+    index = torch.tensor(list(rows), dtype=torch.long)
+    words = (masks if every else masks.index_select(0, index)).numpy()  # [r, W] int32
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    bias = bits.astype(np.float32)  # [r, V]: 1 allowed, 0 refused
+    bias -= 1.0
+    bias *= _FLT_MAX  # 0 / -FLT_MAX
+    offset = torch.from_numpy(bias).to(logits.dtype)
     out = logits.clone()
-    out[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    if every:
+        out.add_(offset).add_(offset)
+    else:
+        out[index] = logits.index_select(0, index).add_(offset).add_(offset)
     return out
 
 
