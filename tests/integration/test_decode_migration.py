@@ -30,10 +30,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.contract.sampling import SamplingParams
+from common.contract.structured import ConstraintKind, StructuredOutput
 from common.telemetry.metrics import Samples, scrape
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -295,6 +297,73 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(
     assert gateway_metrics(stack).sum(MIGRATIONS, reason="draining") > draining_before
     assert_nothing_held(stack)
     assert_serving(stack)
+
+
+# A JSON answer long enough (12 items or more) to outlive the drain grace period after the
+# restart starts: structured output across a migration.
+ITEMS_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {
+        "type": "array", "minItems": 12, "maxItems": 14,
+        "items": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["name", "count"], "additionalProperties": False},
+    }},
+    "required": ["items"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_a_constrained_stream_drained_mid_object_ends_in_the_same_valid_json(
+    chaos_stack: Stack,
+) -> None:
+    """A seeded JSON-schema request whose decode worker restarts (drains) mid-object moves
+    to the other decode worker, which rebuilds the matcher from the tokens so far: the
+    output is the undisturbed run's, token for token, and validates."""
+    stack = chaos_stack
+    constraint = StructuredOutput(ConstraintKind.JSON_SCHEMA, json.dumps(ITEMS_SCHEMA))
+    job = Job(100, "List what is in a grocery bag, as JSON.",
+              SamplingParams(max_tokens=400, temperature=0.8, seed=99,
+                             structured_output=constraint))  # fmt: skip
+    draining_before = gateway_metrics(stack).sum(MIGRATIONS, reason="draining")
+
+    async def run() -> tuple[RemoteCompletion, RemoteCompletion, str]:
+        client = GatewayClient(stack.target)
+        try:
+            calm = await complete(client, job, "json-calm")
+            progress = {job.index: 0}
+            stream = asyncio.create_task(complete(client, job, "json-storm", "json-storm",
+                                                  progress))  # fmt: skip
+            while progress[job.index] < KILL_AFTER_TOKENS:
+                await asyncio.sleep(0.02)
+            name = await asyncio.to_thread(running_decode_worker, stack)
+            restart = await asyncio.to_thread(stack.cli, "restart", name, timeout=900)
+            assert restart.returncode == 0, restart.stdout + restart.stderr
+            return calm, await stream, name
+        finally:
+            await client.close()
+
+    calm, storm, drained = asyncio.run(run())
+    assert calm.finish_reason == "stop", calm.text
+    jsonschema.validate(json.loads(calm.text), ITEMS_SCHEMA)
+    assert storm.token_ids == calm.token_ids and storm.text == calm.text
+    assert gateway_metrics(stack).sum(MIGRATIONS, reason="draining") > draining_before
+    assert re.search(rf"request json-storm: decode stream from {drained}", stack.log_of("gateway"))
+    assert_nothing_held(stack)
+    assert_serving(stack)
+
+
+def running_decode_worker(stack: Stack) -> str:
+    """The decode worker that runs a stream (the one request in flight)."""
+    for name in ("decode-0", "decode-1"):
+        with grpc.insecure_channel(stack.children()[name].address) as channel:
+            status = decode_pb2_grpc.DecodeServiceStub(channel).GetStatus(
+                decode_pb2.GetStatusRequest(), timeout=5.0
+            ).status
+        if status.num_running_requests:
+            return name
+    raise AssertionError("no decode worker runs the stream")
 
 
 def test_sigkill_of_a_decode_worker_mid_stream_loses_and_repeats_nothing(
