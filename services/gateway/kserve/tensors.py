@@ -169,7 +169,8 @@ _FIELDS: dict[str, type] = {
 }  # fmt: skip
 
 
-_LISTS = ("stop", "stop_token_ids", "structured_outputs", "guided_decoding")
+_OTHER_KEYS = (  # the keys beside the numeric and boolean _FIELDS
+    "stop", "stop_token_ids", "structured_outputs", "guided_decoding")
 
 
 def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
@@ -201,7 +202,7 @@ def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
         else:
             raise InvalidRequestError(
                 f"sampling_parameters.{key}",
-                f"unknown; this model takes {sorted([*_FIELDS, *_LISTS])}",
+                f"unknown; this model takes {sorted([*_FIELDS, *_OTHER_KEYS])}",
             )
     if pb.max_tokens < 1:
         raise InvalidRequestError("sampling_parameters.max_tokens", "must be >= 1")

@@ -75,6 +75,7 @@ def from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
 def _sampling(
     body: _Sampling, max_tokens: int | None, logprobs: bool, top_logprobs: int, copy: int,
     prompt_logprobs: int | None = None,
+    constraint: common_pb2.StructuredOutput | None = None,
 ) -> common_pb2.SamplingParams:  # fmt: skip
     pb = common_pb2.SamplingParams(
         max_tokens=max_tokens or 0,  # 0: what is left of the context
@@ -99,7 +100,6 @@ def _sampling(
         pb.seed = (body.seed + copy) % (1 << 64)
     if prompt_logprobs is not None:
         pb.prompt_logprobs = prompt_logprobs
-    constraint, _ = structured.constraint(body)
     if constraint is not None:
         pb.structured_output.CopyFrom(constraint)
     return pb
@@ -123,6 +123,7 @@ def completion_requests(
     logprobs = body.logprobs is not None
     top = body.logprobs or 0
     echo_logprobs = top if body.echo and logprobs else None
+    constraint, _ = structured.constraint(body)  # once for every prompt and copy
     out = []
     for i, text_or_ids in enumerate(prompts):
         for copy in range(body.n):
@@ -138,7 +139,7 @@ def completion_requests(
                     raise InvalidRequestError(f"prompt[{i}]", "is empty")
                 message.token_ids.ids.extend(text_or_ids)
             message.sampling.CopyFrom(
-                _sampling(body, body.max_tokens, logprobs, top, copy, echo_logprobs)
+                _sampling(body, body.max_tokens, logprobs, top, copy, echo_logprobs, constraint)
             )
             out.append(message)
     return out
@@ -165,6 +166,7 @@ def chat_requests(
     messages = gateway_pb2.ChatMessages(
         messages=[gateway_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
     )
+    constraint, _ = structured.constraint(body)  # once for every copy
     out = []
     for copy in range(body.n):
         message = gateway_pb2.GenerateRequest(
@@ -172,7 +174,8 @@ def chat_requests(
         )
         message.messages.CopyFrom(messages)
         message.sampling.CopyFrom(
-            _sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0, copy)
+            _sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0, copy,
+                      constraint=constraint)
         )
         out.append(message)
     return out

@@ -37,6 +37,7 @@ from services.gateway.openai import responses, structured
 from services.gateway.openai.convert import chat_requests, completion_requests, from_exception
 from services.gateway.openai.models import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai.responses import Choice, TokenText
+from services.gateway.openai.structured import ToolMode
 from services.gateway.relay import finish_reason_name
 from services.gateway.servicer import GatewayServicer
 
@@ -294,6 +295,8 @@ class OpenAIServer:
         model = self.servicer.model
         created = int(time.time())
         choices = [Choice(index=i, copy=i % body.n) for i in range(len(generate))]
+        # A forced tool call: how the output text becomes the message's tool_calls.
+        tool_mode = structured.constraint(body)[1] if endpoint is _CHAT else None
         fanout = _Fanout(self.servicer, generate, body.n, call)
         try:
             messages = fanout.messages()
@@ -302,7 +305,7 @@ class OpenAIServer:
             first = await anext(messages, None)
             if body.stream:
                 return await self._stream(request, body, endpoint, response_id, created,
-                                          choices, echo, first, messages)  # fmt: skip
+                                          choices, echo, first, messages, tool_mode)  # fmt: skip
             if first is not None:
                 choices[first[0]].add(first[1])
             async for index, message in messages:
@@ -312,8 +315,7 @@ class OpenAIServer:
         usage = responses.usage_body(choices)
         if endpoint is _CHAT:
             want = bool(body.logprobs)
-            tools = structured.constraint(body)[1]
-            rendered = [responses.chat_choice(c, self.token_text, want, tools) for c in choices]
+            rendered = [responses.chat_choice(c, self.token_text, want, tool_mode) for c in choices]
             return web.json_response(responses.response_body(
                 "chat.completion", response_id, created, model, rendered, usage))  # fmt: skip
         want = body.logprobs is not None
@@ -346,6 +348,7 @@ class OpenAIServer:
         created: int, choices: list[Choice], echo: list[tuple[str, list[int]]] | None,
         first: tuple[int, gateway_pb2.GenerateResponse] | None,
         messages: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
+        tool_mode: ToolMode | None,
     ) -> web.StreamResponse:  # fmt: skip
         """Server-sent events: a chunk per message, then (``stream_options.include_usage``)
         one with the usage and no choices, then ``[DONE]``. A failure after the first byte
@@ -355,7 +358,8 @@ class OpenAIServer:
         )
         await response.prepare(request)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunk = _ChunkWriter(self, endpoint, body, response_id, created, echo, include_usage)
+        chunk = _ChunkWriter(self, endpoint, body, response_id, created, echo, include_usage,
+                             tool_mode)  # fmt: skip
         try:
             if first is not None:
                 await response.write(chunk.event(choices[first[0]], first[1]))
@@ -389,6 +393,7 @@ class _ChunkWriter:
     def __init__(
         self, server: OpenAIServer, endpoint: _Endpoint, body: Any, response_id: str,
         created: int, echo: list[tuple[str, list[int]]] | None, include_usage: bool,
+        tool_mode: ToolMode | None = None,
     ) -> None:  # fmt: skip
         self.token_text = server.token_text
         self.chat = endpoint is _CHAT
@@ -401,7 +406,7 @@ class _ChunkWriter:
             "model": server.servicer.model,
         }
         self.include_usage = include_usage
-        self.tool_mode = structured.constraint(body)[1] if self.chat else None
+        self.tool_mode = tool_mode
 
     def event(self, choice: Choice, message: gateway_pb2.GenerateResponse) -> bytes:
         first = not choice.text
