@@ -27,6 +27,7 @@ from services.blockstore.store import BlockStore
 log = logging.getLogger(__name__)
 
 TIER = "memory"
+DISK_TIER = "disk"  # held on disk only (republished with the tier it is in at each refresh)
 BATCH = 1024  # hashes per Redis pipeline
 RETRY_S = 1.0
 
@@ -102,21 +103,26 @@ class IndexSync:
             raise
 
     async def refresh(self) -> None:
-        """Republishes every committed block, renewing the entries' TTL."""
-        for model, hashes in self.store.committed_hashes().items():
-            if model in self._unindexable:
-                continue
-            for part in _batches(hashes):
-                await self._index(model).publish(keys.STORE_LOCATION, part, TIER)
+        """Republishes every block held, in memory or on disk, renewing the entries' TTL."""
+        for tier, held in (
+            (TIER, self.store.committed_hashes()),
+            (DISK_TIER, self.store.disk_only_hashes()),
+        ):
+            for model, hashes in held.items():
+                if model in self._unindexable:
+                    continue
+                for part in _batches(hashes):
+                    await self._index(model).publish(keys.STORE_LOCATION, part, tier)
 
     async def withdraw_all(self) -> None:
         """On shutdown: the store's blocks leave the index (they die with the process)."""
         self._pending.clear()
-        for model, hashes in self.store.committed_hashes().items():
-            if model in self._unindexable:
-                continue
-            for part in _batches(hashes):
-                await self._index(model).remove(keys.STORE_LOCATION, part)
+        for held in (self.store.committed_hashes(), self.store.disk_only_hashes()):
+            for model, hashes in held.items():
+                if model in self._unindexable:
+                    continue
+                for part in _batches(hashes):
+                    await self._index(model).remove(keys.STORE_LOCATION, part)
 
     def _note(self, model: str, block_hashes: Sequence[int], stored: bool) -> None:
         if model in self._unindexable:

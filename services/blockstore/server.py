@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -22,10 +23,12 @@ from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, Started, create_server, serve_process
 from pdserve.kv.v1 import block_store_pb2_grpc
 from services.blockstore.config import BlockStoreConfig
+from services.blockstore.disk import DiskTier
 from services.blockstore.index_sync import IndexSync
 from services.blockstore.metrics import BlockStoreMetrics
 from services.blockstore.servicer import SERVICE_NAME, BlockStoreServicer
 from services.blockstore.store import BlockStore
+from services.blockstore.tiering import DiskSpiller
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,10 @@ class BlockStoreProcess:
         server: Server,
         servicer: BlockStoreServicer,
         metrics: BlockStoreMetrics,
+        spiller: DiskSpiller | None = None,
     ) -> None:
         self.config = config
+        self.spiller = spiller
         self.metrics = metrics
         self.server = server
         self.servicer = servicer
@@ -67,6 +72,12 @@ class BlockStoreProcess:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.spiller is not None:
+            # What was committed reaches the disk before the process goes (bounded).
+            if not await self.spiller.flush(self.config.drain_grace_s):
+                log.warning("the disk tier did not finish its writes in time")
+            await asyncio.to_thread(self.spiller.close)
+            self.spiller = None
         if self.redis is None:
             return
         try:
@@ -152,23 +163,22 @@ async def start(
     """Binds ``config.bind_address`` (port 0 picks a free port) and starts serving. Metrics
     go to ``metrics_registry`` (default: a registry of its own, ``process.metrics``)."""
     store = BlockStore(config.capacity_bytes, config.put_expiry_s)
+    spiller = await _open_disk(config, store) if config.disk_dir else None
     servicer = BlockStoreServicer(store, worker_id="", address="")
     metrics = BlockStoreMetrics(metrics_registry or CollectorRegistry())
     metrics.watch_store(store, asyncio.get_running_loop())
+    if spiller is not None:
+        metrics.watch_disk(spiller)
 
-    def register(server: grpc.aio.Server) -> None:
-        block_store_pb2_grpc.add_BlockStoreServiceServicer_to_server(servicer, server)
-
-    server = await create_server(
-        config.bind_address,
-        register,
-        [SERVICE_NAME],
-        interceptors=[TelemetryInterceptor(RpcMetrics(metrics.registry))],
-        credentials=config.tls.server_credentials() if config.tls else None,
-    )
+    try:
+        server = await _create_server(config, servicer, metrics)
+    except BaseException:
+        if spiller is not None:
+            spiller.close()
+        raise
     servicer.worker_id = config.resolved_worker_id(server.port)
     servicer.address = config.advertised_address(server.port)
-    process = BlockStoreProcess(config, server, servicer, metrics)
+    process = BlockStoreProcess(config, server, servicer, metrics, spiller)
     try:
         await process.start_background()
     except BaseException:
@@ -176,13 +186,48 @@ async def start(
         await process.close()
         raise
     log.info(
-        "block store %s serving at %s (%d bytes%s)",
+        "block store %s serving at %s (%d bytes%s%s)",
         servicer.worker_id,
         servicer.address,
         config.capacity_bytes,
+        f", disk tier {config.disk_dir} ({config.disk_capacity_bytes} bytes)" if spiller else "",
         ", prefix index on" if config.redis_url else "",
     )
     return process
+
+
+async def _open_disk(config: BlockStoreConfig, store: BlockStore) -> DiskSpiller:
+    """Reindexes the disk tier (on a thread: it reads every segment) and attaches it."""
+    assert config.disk_dir
+    disk = DiskTier(config.disk_dir, config.disk_capacity_bytes, config.disk_segment_bytes,
+                    fsync=config.disk_fsync)  # fmt: skip
+    start = time.perf_counter()
+    held = await asyncio.to_thread(disk.open)
+    spiller = DiskSpiller(disk, store, asyncio.get_running_loop())
+    taken = store.attach_disk(spiller, held)
+    stats = disk.stats()
+    log.info(
+        "disk tier %s: %d blocks in %d segments (%d bytes), reindexed in %.2f s%s",
+        config.disk_dir, taken, stats.num_segments, stats.used_bytes,
+        time.perf_counter() - start,
+        f"; {stats.num_corrupt} damaged or torn records dropped" if stats.num_corrupt else "",
+    )  # fmt: skip
+    return spiller
+
+
+async def _create_server(
+    config: BlockStoreConfig, servicer: BlockStoreServicer, metrics: BlockStoreMetrics
+) -> Server:
+    def register(server: grpc.aio.Server) -> None:
+        block_store_pb2_grpc.add_BlockStoreServiceServicer_to_server(servicer, server)
+
+    return await create_server(
+        config.bind_address,
+        register,
+        [SERVICE_NAME],
+        interceptors=[TelemetryInterceptor(RpcMetrics(metrics.registry))],
+        credentials=config.tls.server_credentials() if config.tls else None,
+    )
 
 
 async def serve(config: BlockStoreConfig) -> None:

@@ -87,9 +87,19 @@ class BlockStoreServicer(block_store_pb2_grpc.BlockStoreServiceServicer):
             if request.max_chunk_bytes == 0:
                 raise InvalidRequestError("max_chunk_bytes", "must be > 0")
             max_chunk_bytes = min(request.max_chunk_bytes, KV_CHUNK_BYTES)
-        layout, blocks = self.store.pin(
+        pinned = self.store.pin_or_locate(
             request.model, request.hash_scheme_version, list(request.block_hashes)
         )
+        layout = pinned.layout
+        blocks = [block for block in pinned.blocks if block is not None]
+        if pinned.on_disk:
+            assert self.store.disk is not None, "a block on disk with no disk tier"
+            try:
+                reads = await self.store.disk.read(pinned.on_disk)
+            except BaseException:
+                self.store.unpin(blocks)
+                raise
+            blocks = self.store.fill(pinned, reads)  # on failure it unpins
         try:
             layout_pb: common_pb2.KvLayout | None = layout.to_pb()
             for index, block in enumerate(blocks):

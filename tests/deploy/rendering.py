@@ -56,6 +56,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "maxQueuedPromptTokensPerTenant": 100_000,
         }
     },
+    "blockstore-disk": {
+        "blockstore": {
+            "disk": {"enabled": True, "size": "50Gi", "capacity": "40GiB", "storageClassName": "ssd"}
+        }
+    },
     "api-keys": {"gateway": {"auth": {"enabled": True, "existingSecret": "pdserve-api-keys"}}},
     "public-tls": {"gateway": {"publicTls": {"enabled": True, "existingSecret": "gateway-tls"}}},
     "mtls-shared-secret": {"mtls": {"enabled": True, "existingSecret": "pdserve-mtls"}},

@@ -781,3 +781,30 @@ def rendered_service_http(rendered: Rendered) -> Manifest:
     service = rendered.one("Service", f"{RELEASE}-pdserve-gateway")
     (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
     return http
+
+
+def test_the_block_store_disk_tier_is_a_kept_claim_mounted_where_the_flag_points() -> None:
+    plain = render().deployment("blockstore")
+    assert flag(pdserve_container(plain), "disk-dir") is None and "kv" not in volumes_of(plain)
+    assert plain["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert render().of_kind("PersistentVolumeClaim") == []
+
+    rendered = render(VARIANTS["blockstore-disk"])
+    store = rendered.deployment("blockstore")
+    container = pdserve_container(store)
+    assert flag(container, "disk-capacity") == "40GiB"
+    assert mounts_of(container)["kv"]["mountPath"] == flag(container, "disk-dir")
+    assert store["spec"]["strategy"] == {"type": "Recreate"}  # the claim is ReadWriteOnce
+    (claim,) = rendered.of_kind("PersistentVolumeClaim")
+    volume = volumes_of(store)["kv"]["persistentVolumeClaim"]
+    assert volume["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert claim["spec"]["storageClassName"] == "ssd"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+    given = render({"blockstore": {"disk": {"enabled": True, "size": "1Gi", "capacity": "0.9",
+                                            "existingClaim": "my-kv"}}})  # fmt: skip
+    assert given.of_kind("PersistentVolumeClaim") == []
+    claim_name = volumes_of(given.deployment("blockstore"))["kv"]["persistentVolumeClaim"]
+    assert claim_name == {"claimName": "my-kv"}

@@ -64,3 +64,23 @@ def test_invalid_configs_are_rejected(overrides: dict[str, object]) -> None:
 def test_capacity_must_be_readable() -> None:
     with pytest.raises(ValueError, match="cannot read"):
         BlockStoreConfig.from_env(capacity="lots")
+
+
+def test_disk_tier_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.delenv("PDSERVE_BLOCKSTORE_DISK_DIR", raising=False)
+    monkeypatch.delenv("PDSERVE_BLOCKSTORE_DISK_CAPACITY", raising=False)
+    assert command.config_from_args(parse()).disk_dir is None  # memory only by default
+    config = command.config_from_args(
+        parse("--disk-dir", f"{tmp_path}/kv", "--disk-capacity", "20GiB")
+    )
+    assert (config.disk_dir, config.disk_capacity_bytes) == (f"{tmp_path}/kv", 20 * 2**30)
+    assert config.disk_segment_bytes == 64 << 20
+    halved = command.config_from_args(parse("--disk-dir", f"{tmp_path}/kv"))  # not made yet
+    assert halved.disk_capacity_bytes > 0  # half of the file system that will hold it
+    monkeypatch.setenv("PDSERVE_BLOCKSTORE_DISK_DIR", f"{tmp_path}/env")
+    monkeypatch.setenv("PDSERVE_BLOCKSTORE_DISK_CAPACITY", "8MiB")
+    from_env = command.config_from_args(parse())
+    assert (from_env.disk_dir, from_env.disk_capacity_bytes) == (f"{tmp_path}/env", 8 << 20)
+    assert from_env.disk_segment_bytes == 1 << 20  # an eighth of a small disk
+    with pytest.raises(ValueError, match="disk capacity must be at least"):
+        BlockStoreConfig(capacity_bytes=1, disk_dir="/x", disk_capacity_bytes=1000)

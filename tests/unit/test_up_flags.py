@@ -87,3 +87,19 @@ def test_num_threads_comes_from_the_flag_or_the_environment(
     assert EngineConfig.from_env("model").num_threads is None
     with pytest.raises(ValueError, match="num_threads"):
         EngineConfig(model="model", num_threads=0)
+
+
+def test_block_store_flags_reach_pdserve_blockstore() -> None:
+    from pdserve.cli.commands import blockstore
+    from pdserve.cli.commands.up import _store_flags
+
+    parser = build_parser()
+    up = parser.parse_args(["up", "--blockstore-capacity", "256MiB", "--blockstore-disk-dir",
+                            "kv-here", "--blockstore-disk-capacity", "2GiB",
+                            "--blockstore-put-expiry-s", "12"])  # fmt: skip
+    config = blockstore.config_from_args(parser.parse_args(["blockstore", *_store_flags(up)]))
+    assert config.capacity_bytes == 256 << 20 and config.put_expiry_s == 12.0
+    assert config.disk_capacity_bytes == 2 << 30
+    assert config.disk_dir is not None and config.disk_dir.endswith("/kv-here")
+    assert config.disk_dir.startswith("/")  # absolute: the child may run elsewhere
+    assert _store_flags(parser.parse_args(["up"])) == []

@@ -37,6 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=None, help="default blockstore-<host>-<port>-<pid>")
     parser.add_argument("--advertise", default=None, help="host:port others use; default host:port")
     parser.add_argument(
+        "--disk-dir",
+        default=None,
+        help="a directory for the disk tier: blocks are written behind to it, survive restarts "
+        "and are read back when memory no longer holds them (env PDSERVE_BLOCKSTORE_DISK_DIR); "
+        "default memory only",
+    )
+    parser.add_argument(
+        "--disk-capacity",
+        default=None,
+        help="bound on the disk tier's files: bytes (20GiB) or a fraction of the file system "
+        "(env PDSERVE_BLOCKSTORE_DISK_CAPACITY); default 0.5",
+    )
+    parser.add_argument(
         "--put-expiry-s", type=float, default=None, help="abort puts left open this long (30)"
     )
     add_metrics_port_arg(parser)
@@ -46,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BlockStoreConfig:
     return BlockStoreConfig.from_env(
         capacity=args.capacity,
+        disk_capacity=args.disk_capacity,
+        disk_dir=args.disk_dir,
         host=args.host,
         port=args.port,
         redis_url=args.redis_url,

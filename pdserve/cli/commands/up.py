@@ -122,6 +122,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-queued-prompt-tokens", type=int, default=None)
     up.add_argument("--max-queued-prompt-tokens-per-tenant", type=int, default=None)
     up.add_argument("--no-blockstore", action="store_true", help="run without the block store")
+    up.add_argument("--blockstore-capacity", default=None, help="the block store's memory (1GiB)")
+    up.add_argument(
+        "--blockstore-disk-dir",
+        default=None,
+        help="the block store's disk tier (see pdserve blockstore --disk-dir): its blocks "
+        "survive a restart of the stack",
+    )
+    up.add_argument("--blockstore-disk-capacity", default=None, help="bound on the disk tier")
     up.add_argument("--model", default=None)
     up.add_argument("--detach", action="store_true", help="return once SERVING; stop with down")
     up.add_argument("--timeout-s", type=float, default=600.0, help="start-up limit per process")
@@ -203,8 +211,16 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
 
 
 def _store_flags(args: argparse.Namespace) -> list[str]:
-    expiry = args.blockstore_put_expiry_s
-    return [] if expiry is None else ["--put-expiry-s", str(expiry)]
+    flags: list[str] = []
+    for flag, value in (
+        ("--put-expiry-s", args.blockstore_put_expiry_s),
+        ("--capacity", args.blockstore_capacity),
+        ("--disk-dir", args.blockstore_disk_dir and os.path.abspath(args.blockstore_disk_dir)),
+        ("--disk-capacity", args.blockstore_disk_capacity),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 # Failure handling: gateway, every worker, decode workers.
