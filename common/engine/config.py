@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.engine.eviction import KV_EVICTIONS, KvEviction
 from common.engine.speculative.config import SpeculativeConfig
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 
@@ -81,6 +82,12 @@ class EngineConfig:
     # Speculative decoding, vLLM's --speculative-config JSON
     # (common/engine/speculative/config.py); None = off.
     speculative_config: str | None = None
+    # StreamingLLM eviction for every request (common/engine/eviction.py): none keeps all
+    # KV; streaming keeps sink_tokens and a window of window_tokens, so streams go past
+    # the context in fixed memory.
+    kv_eviction: str = "none"
+    sink_tokens: int = 16
+    window_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -118,6 +125,21 @@ class EngineConfig:
                 f"kv_dtype must be auto or one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}"
             )
         self.speculative  # noqa: B018 (parses and checks it)
+        if self.kv_eviction not in KV_EVICTIONS:
+            raise ValueError(
+                f"kv_eviction must be one of {', '.join(KV_EVICTIONS)}, got {self.kv_eviction!r}"
+            )
+        if self.sink_tokens < 0 or self.window_tokens < self.block_size:
+            raise ValueError(
+                f"sink_tokens must be >= 0 and window_tokens at least a block ({self.block_size})"
+                f", got {self.sink_tokens} and {self.window_tokens}"
+            )
+
+    @property
+    def eviction(self) -> KvEviction | None:
+        if self.kv_eviction == "none":
+            return None
+        return KvEviction(self.sink_tokens, self.window_tokens)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -35,6 +35,7 @@ import torch
 from common.contract.model_spec import ModelSpec, load_spec
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
+from common.engine.eviction import KvEviction
 from common.engine.grammar import GrammarCompiler, GrammarState, StepMasks
 from common.engine.kv_manager import KVCacheManager
 from common.engine.model_runner import ModelRunner
@@ -122,8 +123,12 @@ class Engine:
             capacity,
         )
         self.kv = KVCacheManager(
-            self.runner.num_blocks, self.block_size, config.enable_prefix_caching
-        )
+            self.runner.num_blocks, self.block_size, config.enable_prefix_caching,
+            max_positions=self.spec.max_position_embeddings,
+        )  # fmt: skip
+        self.default_eviction = config.eviction  # StreamingLLM for every request, or None
+        if self.default_eviction is not None:
+            self.check_eviction(self.default_eviction)
         self.speculative = config.speculative
         self.proposer = (
             proposer_for(self.speculative, config, self.spec.vocab_size)
@@ -175,12 +180,18 @@ class Engine:
         write_behind: bool = False,
         keep_prompt_rows: bool = False,
         grammar: GrammarState | None = None,
+        eviction: KvEviction | None = None,
     ) -> Request:
         """``grammar``: the request's matcher when the caller compiled it already
-        (``self.grammars.compile``, on a thread of its own); else it compiles here."""
+        (``self.grammars.compile``, on a thread of its own); else it compiles here.
+        ``eviction``: StreamingLLM for this request (default: the engine's, if any); a
+        prefill-only request never evicts (its KV is exported whole)."""
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
-        self.validate(prompt_token_ids, sampling, len(output_token_ids or ()))
+        eviction = None if prefill_only else (eviction or self.default_eviction)
+        if eviction is not None:
+            self.check_eviction(eviction)
+        self.validate(prompt_token_ids, sampling, len(output_token_ids or ()), eviction)
         if sampling.structured_output is not None:
             if grammar is None:
                 grammar = self.grammars.compile(sampling.structured_output)
@@ -203,12 +214,29 @@ class Engine:
             weight_identity=self.weight_identity,
             keep_prompt_rows=keep_prompt_rows,
             grammar=grammar,
+            eviction=eviction,
+            block_size=self.block_size,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
-    def validate(self, prompt: list[int], sampling: SamplingParams, num_generated: int = 0) -> None:
+    def check_eviction(self, eviction: KvEviction) -> None:
+        eviction.check(self.block_size, self.spec.max_position_embeddings)
+        if self.runner.kv_quantized:
+            raise InvalidRequestError(
+                "kv_eviction", "StreamingLLM eviction needs a float KV cache (kv_dtype auto)"
+            )
+        if self.spec.sliding_window:
+            raise InvalidRequestError(
+                "kv_eviction", "this model attends through a sliding window of its own"
+            )
+
+    def validate(
+        self, prompt: list[int], sampling: SamplingParams, num_generated: int = 0,
+        eviction: KvEviction | None = None,
+    ) -> None:  # fmt: skip
+        """A stream (``eviction``) is bounded by its window, not by the context."""
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
         vocab = self.spec.vocab_size
@@ -216,6 +244,8 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError("token_ids", f"token id {bad} is outside [0, {vocab})")
         sampling.check_vocab(vocab)
+        if eviction is not None:
+            return
         if len(prompt) + num_generated >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -285,6 +315,8 @@ class Engine:
                 # Imported blocks and prefix-cache hits are not written behind.
                 num_known = item.request.num_computed_tokens // self.block_size
                 item.request.num_written_blocks = num_known
+        if plan.kv_ops is not None:
+            self.runner.apply_kv_ops(plan.kv_ops)
         block_tables = {s.request.request_id: self.kv.block_ids(s.request) for s in plan.scheduled}
         # Structured output: the constrained rows' masks are computed while the forward
         # pass runs (llguidance drops the GIL), from the matchers' state before this step.
@@ -370,8 +402,8 @@ class Engine:
         """After the request's computed tokens moved on: its newly full blocks become prefix
         hits, and copies of them go to write-behind."""
         self.kv.publish_full_blocks(req)
-        if req.write_behind:
-            self._copy_full_blocks(req)
+        if req.write_behind and not (req.stream is not None and req.stream.evicted):
+            self._copy_full_blocks(req)  # a stream's blocks after an eviction are its own
 
     def _prepare_proposals(self) -> None:
         """Before the step is scheduled: guesses for every decoding request, each at most

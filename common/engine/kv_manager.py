@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.engine.eviction import KvOps
 from common.engine.request import Request
 from common.kv.block_pool import BlockPool, KVBlock
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+        max_positions: int = 1 << 62,
+    ) -> None:  # fmt: skip
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.max_positions = max_positions  # the rotary table: a stream's positions stay below
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}
@@ -69,12 +74,13 @@ class KVCacheManager:
     ) -> int:
         held = len(self._blocks.get(req.request_id, ()))
         num_tokens = req.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+        num_tokens -= req.num_evicted_tokens
         return self.blocks_for_tokens(num_tokens) - held - len(new_computed)
 
     def publish_full_blocks(self, req: Request) -> None:
         """Makes the request's full, computed blocks findable by later requests."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or (req.stream is not None and req.stream.evicted):
+            return  # after an eviction no block holds the dense prefix's KV
         req.update_block_hashes(self.block_size)
         blocks = self._blocks[req.request_id]
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
@@ -86,13 +92,47 @@ class KVCacheManager:
         """Frees the request's blocks past what its tokens need (after a speculative verify
         whose rejected positions had blocks of their own); they were never published."""
         blocks = self._blocks.get(req.request_id)
-        keep = self.blocks_for_tokens(req.num_tokens)
+        keep = self.blocks_for_tokens(req.num_tokens - req.num_evicted_tokens)
         if blocks is None or len(blocks) <= keep:
             return
         assert self._num_published[req.request_id] <= keep, req.request_id
         surplus = blocks[keep:]
         del blocks[keep:]
         self.pool.free(reversed(surplus))
+
+    def evict(self, req: Request, num_new_tokens: int) -> KvOps | None:
+        """StreamingLLM (eviction.py), before a step computing ``num_new_tokens``: frees the
+        whole blocks between the sinks and the window, and returns the cache edits that keep
+        the positions right (sinks copied and rotated on, a rebase); None when none."""
+        stream = req.stream
+        blocks = self._blocks.get(req.request_id)
+        if stream is None or not blocks:
+            return None
+        S = self.block_size
+        num_sink = stream.num_sink_blocks
+        first_window = (num_sink + stream.num_evicted_blocks) * S
+        num_out = (req.num_computed_tokens - first_window - stream.policy.window_tokens) // S
+        ops = KvOps()
+        private = stream.sinks_private or num_sink == 0
+        if num_out > 0 and (private or self.pool.num_free + num_out >= num_sink):
+            victims = blocks[num_sink : num_sink + num_out]
+            del blocks[num_sink : num_sink + num_out]
+            self.pool.free(reversed(victims))  # published ones stay prefix hits
+            if not private:  # shared prefix blocks are never rotated: copies of our own
+                old = blocks[:num_sink]
+                new = self.pool.allocate(num_sink)
+                ops.copies += [(a.block_id, b.block_id) for a, b in zip(old, new, strict=True)]
+                blocks[:num_sink] = new
+                self.pool.free(reversed(old))
+                stream.sinks_private = True
+            stream.num_evicted_blocks += num_out
+            ops.rotate([b.block_id for b in blocks[:num_sink]], num_out * S)
+        top = req.num_computed_tokens + num_new_tokens - stream.position_base
+        if top > self.max_positions:  # rebase: sinks at 0, the window right after them
+            delta = stream.num_evicted_blocks * S - stream.position_base
+            ops.rotate([b.block_id for b in blocks], -delta)
+            stream.position_base += delta
+        return ops if ops else None
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]

@@ -30,12 +30,14 @@ from common.engine.attention import AttentionBatch, LayerKV, select_backend
 from common.engine.attention.base import QUANTIZED_KV_DTYPES
 from common.engine.attention.torch_kv import new_kv_scales
 from common.engine.config import EngineConfig, parse_memory_budget
+from common.engine.eviction import KvOps
 from common.engine.scheduler import ScheduledRequest
 from common.models.loader import CausalLM, build_model
 from common.models.quant.formats import resolve_weight_format
 from common.models.quant.fused_decode import FusedDecoder
 from common.models.quant.linear import DENSE_MIN_ROWS, dense_rows
 from common.models.quant.load import weight_bytes
+from common.models.rope import apply_rotary, rotation_rows
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +196,14 @@ class ModelRunner:
             req = item.request
             table = block_tables[req.request_id]
             start = req.num_computed_tokens
-            for pos in range(start, start + item.num_new_tokens):
+            # A stream's kept blocks skip what it evicted; its positions are rebased.
+            skip, base = req.num_evicted_tokens, req.position_base
+            for pos in range(start - skip, start - skip + item.num_new_tokens):
                 slots.append(table[pos // S] * S + pos % S)
             num_known = item.num_new_tokens - len(item.draft_token_ids)
             input_ids.extend(req.token_ids[start : start + num_known])
             input_ids.extend(item.draft_token_ids)
-            positions.extend(range(start, start + item.num_new_tokens))
+            positions.extend(range(start - base, start - base + item.num_new_tokens))
 
         def tables(items: list[ScheduledRequest], per_token: bool = False) -> torch.Tensor:
             rows = [
@@ -213,10 +217,15 @@ class ModelRunner:
             ).reshape(len(rows), width)
 
         decode_lens = [
-            s.request.num_computed_tokens + j + 1 for s in decodes for j in range(s.num_new_tokens)
+            s.request.num_computed_tokens - s.request.num_evicted_tokens + j + 1
+            for s in decodes
+            for j in range(s.num_new_tokens)
         ]
         prefill_q_lens = [s.num_new_tokens for s in prefills]
-        prefill_lens = [s.request.num_computed_tokens + s.num_new_tokens for s in prefills]
+        prefill_lens = [
+            s.request.num_computed_tokens - s.request.num_evicted_tokens + s.num_new_tokens
+            for s in prefills
+        ]
         q_starts = [0]
         for q_len in prefill_q_lens:
             q_starts.append(q_starts[-1] + q_len)
@@ -263,6 +272,28 @@ class ModelRunner:
         with dense_rows(dense) if dense is not None else contextlib.nullcontext():
             logits = self.model.compute_logits(hidden[index])
         return StepLogits(logits, sampling, prompt_logprobs)
+
+    @torch.inference_mode()
+    def apply_kv_ops(self, ops: KvOps) -> None:
+        """StreamingLLM's cache edits (eviction.py): block copies, then keys rotated by a
+        whole number of positions (RoPE rotations compose: R(a + d) = R(d) R(a))."""
+        if ops.copies:
+            src = torch.tensor([a for a, _ in ops.copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([b for _, b in ops.copies], dtype=torch.long, device=self.device)
+            self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        by_delta: dict[int, list[int]] = {}
+        for block_id, delta in ops.rotations.items():
+            if delta:
+                by_delta.setdefault(delta, []).append(block_id)
+        keys = self.kv_cache[:, 0]  # [L, N, S, Hkv, D]
+        for delta, block_ids in by_delta.items():
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            rows = rotation_rows(self.spec.rope, self.spec.head_dim, delta).to(self.device)
+            picked = keys.index_select(1, index)  # [L, n, S, Hkv, D]
+            shape = picked.shape
+            rotated = apply_rotary(picked.reshape(-1, shape[-2], shape[-1]), rows.expand(
+                math.prod(shape[:-2]), -1))  # fmt: skip
+            keys.index_copy_(1, index, rotated.reshape(shape).to(keys.dtype))
 
     def _dense_rows(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
         """bool [T]: the step's rows that take quantized weights' dense path (module

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.contract.sampling import SamplingParams
+from common.engine.eviction import KvEviction, StreamState
 from common.engine.grammar import GrammarState
 from common.engine.speculative.policy import Acceptance
 from common.kv.hashing import BlockHash, extra_keys_for, hash_block, root_hash
@@ -88,6 +89,8 @@ class Request:
         weight_identity: str | None = None,
         keep_prompt_rows: bool = False,
         grammar: GrammarState | None = None,
+        eviction: KvEviction | None = None,
+        block_size: int = 16,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -136,6 +139,25 @@ class Request:
         self.grammar = grammar
         self._hash_extra = extra_keys_for(cache_salt, weight_identity)
         self._hash_parent = root_hash(hash_seed)
+        # StreamingLLM eviction (eviction.py): None keeps every token's KV.
+        self.eviction = eviction
+        self.stream: StreamState | None = None
+        self.block_size = block_size
+        self.reset_stream()
+
+    def reset_stream(self) -> None:
+        """A fresh eviction state (at start, and when a preemption drops the KV)."""
+        if self.eviction is not None:
+            self.stream = StreamState(self.eviction, self.eviction.sink_blocks(self.block_size))
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Tokens whose KV was evicted: kept KV covers ``num_computed_tokens`` less these."""
+        return 0 if self.stream is None else self.stream.num_evicted_blocks * self.block_size
+
+    @property
+    def position_base(self) -> int:
+        return 0 if self.stream is None else self.stream.position_base
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +210,8 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif self.grammar is not None and self.grammar.done:
             self.finish_reason = FinishReason.STOP  # the constraint is complete
-        elif self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+        elif self.num_output_tokens >= self.sampling.max_tokens or (
+            self.num_tokens >= max_model_len and self.eviction is None  # a stream goes on
+        ):
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

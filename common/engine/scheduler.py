@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.engine.eviction import KvOps
 from common.engine.kv_manager import KVCacheManager
 from common.engine.request import FinishReason, Request, RequestStatus
 from common.errors import QueueFullError
@@ -49,6 +50,8 @@ class SchedulerOutput:
     preempted: list[Request]
     # Requests the scheduler ended itself (e.g. alone and still out of KV blocks).
     finished: list[Request]
+    # Cache edits of StreamingLLM evictions, to make before the forward pass.
+    kv_ops: KvOps | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,11 +106,12 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         finished: list[Request] = []
+        kv_ops = KvOps()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             draft: list[int] = []
             if self.propose is not None and req.num_tokens - req.num_computed_tokens == 1:
                 draft = self.propose(req, budget - 1) if budget > 1 else []
@@ -115,6 +119,9 @@ class Scheduler:
                 if draft and not self.kv.can_allocate(req, 1 + len(draft)):
                     draft = []
                 num_new += len(draft)
+            ops = self.kv.evict(req, num_new)
+            if ops is not None:
+                kv_ops.extend(ops)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 if victim is req and not self.running:
@@ -143,7 +150,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(item)
             budget -= item.num_new_tokens
-        return SchedulerOutput(scheduled, preempted, finished)
+        return SchedulerOutput(scheduled, preempted, finished, kv_ops if kv_ops else None)
 
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         assert req.num_computed_tokens == 0, f"{req.request_id} waits with computed tokens"
@@ -160,7 +167,7 @@ class Scheduler:
         # (as vLLM, such a request recomputes its prefix; its blocks are still published).
         hits = [] if req.needs_prompt_logprobs else self.kv.computed_prefix(req)
         num_hit_tokens = len(hits) * self.kv.block_size
-        num_new = min(req.num_tokens - num_hit_tokens, budget)
+        num_new = min(req.num_tokens - num_hit_tokens, budget, _chunk_cap(req))
         if not self.kv.allocate_slots(req, num_new, hits):
             return None
         req.num_computed_tokens = num_hit_tokens
@@ -175,9 +182,16 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.kv_import = None  # its blocks are gone; recompute from tokens
+        req.reset_stream()  # and a stream evicts afresh as it recomputes
         self.waiting.appendleft(req)
 
     def _finish_out_of_blocks(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = FinishReason.LENGTH
+
+
+def _chunk_cap(req: Request) -> int:
+    """A stream computes at most a window per step (eviction.py), so what attention sees
+    and the positions it needs stay bounded however long its prompt."""
+    return req.eviction.window_tokens if req.eviction is not None else 1 << 62

@@ -47,6 +47,14 @@ def cos_sin_table(rope: RopeSpec, head_dim: int, max_positions: int) -> torch.Te
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
+def rotation_rows(rope: RopeSpec, head_dim: int, delta: int) -> torch.Tensor:
+    """[1, D] cos/sin of ``delta`` positions' angles (computed in float64: ``delta`` may be
+    large), for turning keys written at position p into keys at p + delta."""
+    inv_freq = inverse_frequencies(rope, head_dim).double()
+    angles = delta * inv_freq
+    return torch.cat([angles.cos(), angles.sin()]).float()[None, :]
+
+
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos_sin: [T, D] rows of the table for each token's position."""
     half = x.shape[-1] // 2
