@@ -15,6 +15,7 @@ import torch
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.eviction import KvEviction
 from common.engine.request import FinishReason, TokenLogprob
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
@@ -110,3 +111,25 @@ class LLM:
                 f"a window of {len(token_ids)} tokens does not fit this engine's KV pool"
             )
         return rows
+
+    def score_stream(self, token_ids: list[int], eviction: KvEviction) -> list[float]:
+        """Log-probabilities of tokens 1.. of ``token_ids`` read as one stream under
+        StreamingLLM eviction (any length: the KV kept is the sinks and the window), from
+        the engine's own chunked prefill with prompt logprobs; [T-1] floats."""
+        if len(token_ids) < 2:
+            raise ValueError(f"a stream to score needs at least 2 tokens, got {len(token_ids)}")
+        request_id = f"stream-{next(self._ids)}"
+        sampling = SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+        self.engine.add_request(request_id, token_ids, sampling, eviction=eviction)
+        entries: list[TokenLogprob | None] | None = None
+        finished = False
+        while not finished:
+            for out in self.engine.step():
+                if out.request_id != request_id:
+                    continue
+                if out.prompt_logprobs is not None:
+                    entries = out.prompt_logprobs
+                finished = out.finished
+        if entries is None or len(entries) != len(token_ids):
+            raise ValueError(f"the stream of {len(token_ids)} tokens was not scored whole")
+        return [entry.logprob for entry in entries[1:] if entry is not None]

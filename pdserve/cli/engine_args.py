@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.engine.config import EngineConfig
+from common.engine.eviction import KV_EVICTIONS
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 
@@ -98,6 +99,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; decode workers and "
         "generate --local speculate, prefill workers ignore it (env PDSERVE_SPECULATIVE_CONFIG)",
     )
+    add_eviction_args(group)
+
+
+def add_eviction_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    group.add_argument(
+        "--kv-eviction",
+        default=None,
+        choices=list(KV_EVICTIONS),
+        help="streaming: StreamingLLM for every request; it keeps --sink-tokens and a window "
+        "of --window-tokens and frees the KV between, so a stream goes past the context in "
+        "fixed memory (decode workers and --local runs; default none)",
+    )
+    group.add_argument("--sink-tokens", type=int, default=None, help="streaming: sinks (16)")
+    group.add_argument(
+        "--window-tokens", type=int, default=None, help="streaming: the window (1024)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -121,4 +138,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         quant_kernel=args.quant_kernel,
         quant_act_bits=args.quant_act_bits,
         speculative_config=args.speculative_config,
+        kv_eviction=args.kv_eviction,
+        sink_tokens=args.sink_tokens,
+        window_tokens=args.window_tokens,
     )

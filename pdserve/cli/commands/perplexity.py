@@ -32,10 +32,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.engine.eviction import STREAMING
 from common.models.quant.formats import QUANTIZATIONS
 from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 
@@ -76,6 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
+        "--bucket-tokens",
+        type=int,
+        default=1000,
+        help="also report perplexity per this many tokens of FILE, by position (1000)",
+    )
+    parser.add_argument(
         "--target",
         default=None,
         help="score through the gateway at HOST:PORT (prompt logprobs; perplexity only)",
@@ -107,6 +114,7 @@ class Scores:
 
     num_scored: int = 0
     nll: float = 0.0
+    token_nll: list[float] = field(default_factory=list)  # per scored token, in order
     reference_nll: float = 0.0
     kl: float = 0.0
     kl_max: float = 0.0
@@ -117,8 +125,10 @@ class Scores:
         import torch
 
         targets = torch.tensor(window[1:], dtype=torch.long).unsqueeze(1)  # [T-1, 1]
+        own = rows.gather(1, targets).squeeze(1)  # [T-1]
         self.num_scored += len(window) - 1
-        self.nll -= float(rows.gather(1, targets).sum(dtype=torch.float64))
+        self.nll -= float(own.sum(dtype=torch.float64))
+        self.token_nll.extend((-own).tolist())
         if reference is None:
             return
         self.reference_nll -= float(reference.gather(1, targets).sum(dtype=torch.float64))
@@ -132,6 +142,18 @@ class Scores:
         """Prompt logprobs of the window's scored tokens (the --target path)."""
         self.num_scored += len(logprobs)
         self.nll -= math.fsum(logprobs)
+        self.token_nll.extend(-lp for lp in logprobs)
+
+    def buckets(self, positions: list[int], size: int) -> list[dict[str, Any]]:
+        """Perplexity per ``size`` tokens of the text: ``positions[i]`` is where the i-th
+        scored token lies in it."""
+        sums: dict[int, list[float]] = {}
+        for position, nll in zip(positions, self.token_nll, strict=True):
+            sums.setdefault(position // size, []).append(nll)
+        return [
+            {"start": b * size, "num_tokens": len(v), "perplexity": math.exp(math.fsum(v) / len(v))}
+            for b, v in sorted(sums.items())
+        ]
 
     def report(self, has_reference: bool) -> dict[str, Any]:
         n = max(self.num_scored, 1)
@@ -232,9 +254,11 @@ def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[st
     from common.text.tokenizer import Tokenizer
 
     spec = load_spec(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    if args.kv_eviction == STREAMING:
+        return _score_stream(args, model_dir, tokenizer, text)
     max_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     context = _context(args.context, max_len)
-    tokenizer = Tokenizer(model_dir)
     tested = _llm(args, model_dir, tokenizer, None, context)
     reference = None
     if args.reference:
@@ -244,7 +268,9 @@ def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[st
     if not parts:
         raise ValueError(f"{args.file} has {len(token_ids)} tokens; at least 2 are needed")
     scores = Scores()
-    for window in parts:
+    positions: list[int] = []
+    for i, window in enumerate(parts):
+        positions.extend(range(i * context + 1, i * context + len(window)))
         rows = tested.score(window)
         ref_rows = reference.score(window) if reference is not None else None
         scores.add(rows, window, ref_rows)
@@ -259,6 +285,43 @@ def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[st
     if reference is not None:
         report["reference_weights"] = reference.engine.runner.weight_format.describe()
     report.update(scores.report(reference is not None))
+    report["buckets"] = scores.buckets(positions, args.bucket_tokens)
+    return report
+
+
+def _score_stream(
+    args: argparse.Namespace, model_dir: str, tokenizer: Tokenizer, text: str
+) -> dict[str, Any]:
+    """The whole text as one stream under StreamingLLM eviction: every token scored from
+    the sinks and the window before it, however long the text."""
+    from common.engine.llm import LLM
+
+    if args.reference or args.context:
+        raise ValueError("--kv-eviction streaming scores one stream: no --context, --reference")
+    config = engine_config_from_args(args, model_dir)
+    eviction = config.eviction
+    assert eviction is not None
+    if args.num_kv_blocks is None and args.kv_cache_memory is None:
+        # The sinks, a window, a chunk of a window and a block being filled.
+        blocks = eviction.sink_blocks(config.block_size) + 2 * -(
+            -eviction.window_tokens // config.block_size
+        ) + 2  # fmt: skip
+        config = dataclasses.replace(config, num_kv_blocks=blocks)
+    llm = LLM(config, tokenizer)
+    token_ids = _tokenize(tokenizer, text, args.max_tokens)
+    scores = Scores()
+    scores.add_nll(llm.score_stream(token_ids, eviction))
+    report: dict[str, Any] = {
+        "model": model_dir,
+        "weights": llm.engine.runner.weight_format.describe(),
+        "kv_eviction": eviction.describe(),
+        "context": len(token_ids),
+        "num_windows": 1,
+        "num_tokens": len(token_ids),
+        "num_kv_blocks": llm.engine.kv.pool.num_blocks,
+    }
+    report.update(scores.report(False))
+    report["buckets"] = scores.buckets(list(range(1, len(token_ids))), args.bucket_tokens)
     return report
 
 
@@ -324,6 +387,11 @@ def _print_report(report: dict[str, Any]) -> None:
         f"{report['num_scored_tokens']} scored"
     )
     print(f"perplexity {report['perplexity']:.4f} (mean NLL {report['mean_nll']:.6f})")
+    if "kv_eviction" in report:
+        print(f"one stream, KV eviction {report['kv_eviction']}, {report['num_kv_blocks']} blocks")
+    if len(report.get("buckets", ())) > 1:
+        print("by position: " + ", ".join(
+            f"{b['start']}: {b['perplexity']:.2f}" for b in report["buckets"]))  # fmt: skip
     if "reference_perplexity" in report:
         ratio = report["perplexity"] / report["reference_perplexity"]
         print(

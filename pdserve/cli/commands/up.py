@@ -16,7 +16,7 @@ import grpc
 
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
-from pdserve.cli.engine_args import speculative_config_arg
+from pdserve.cli.engine_args import add_eviction_args, speculative_config_arg
 from pdserve.cli.launcher import (
     Child,
     RedisSecurity,
@@ -188,6 +188,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="decode workers speculate (see pdserve decode --help)",
     )
+    add_eviction_args(up.add_argument_group("StreamingLLM on decode workers (pdserve decode)"))
     up.add_argument(
         "--metrics-port",
         type=int,
@@ -232,7 +233,8 @@ _WORKER_FLAGS = (
     "blockstore_timeout_s", "lease_ttl_s", "drain_grace_s",
     "expert_load_interval_s", "expert_load_window_s", "expert_load_windows",
 )  # fmt: skip
-_DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s", "speculative_config")
+_DECODE_FLAGS = ("kv_load_failure", "kv_pull_timeout_s", "speculative_config", "kv_eviction",
+                 "sink_tokens", "window_tokens")  # fmt: skip
 
 
 def threads_per_worker(args: argparse.Namespace) -> int | None:
