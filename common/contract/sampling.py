@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.contract.eviction import KvEviction
 from common.contract.structured import MAX_CONSTRAINT_CHARS, StructuredOutput
 from common.errors import InvalidRequestError
 
@@ -49,6 +50,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Structured output: the output must satisfy this constraint (None = unconstrained).
     structured_output: StructuredOutput | None = None
+    # StreamingLLM for this request (None = the worker's default): the stream keeps sinks
+    # and a window, and may run past the context.
+    kv_eviction: KvEviction | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -144,6 +148,7 @@ class SamplingParams:
             structured_output=StructuredOutput.from_pb(pb.structured_output)
             if pb.HasField("structured_output")
             else None,
+            kv_eviction=KvEviction.from_pb(pb.kv_eviction) if pb.HasField("kv_eviction") else None,
         )
 
     def to_pb(self, pb: SamplingParamsPb) -> SamplingParamsPb:
@@ -173,6 +178,10 @@ class SamplingParams:
             self.structured_output.to_pb(pb.structured_output)
         else:
             pb.ClearField("structured_output")
+        if self.kv_eviction is not None:
+            self.kv_eviction.to_pb(pb.kv_eviction)
+        else:
+            pb.ClearField("kv_eviction")
         return pb
 
     @property

@@ -188,10 +188,13 @@ class Engine:
         prefill-only request never evicts (its KV is exported whole)."""
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
-        eviction = None if prefill_only else (eviction or self.default_eviction)
+        eviction = eviction or sampling.kv_eviction or self.default_eviction
         if eviction is not None:
             self.check_eviction(eviction)
-        self.validate(prompt_token_ids, sampling, len(output_token_ids or ()), eviction)
+        self.validate(prompt_token_ids, sampling, len(output_token_ids or ()), eviction,
+                      prefill_only)  # fmt: skip
+        if prefill_only:
+            eviction = None  # its KV is exported whole: the prompt fits the context
         if sampling.structured_output is not None:
             if grammar is None:
                 grammar = self.grammars.compile(sampling.structured_output)
@@ -234,9 +237,10 @@ class Engine:
 
     def validate(
         self, prompt: list[int], sampling: SamplingParams, num_generated: int = 0,
-        eviction: KvEviction | None = None,
+        eviction: KvEviction | None = None, prefill_only: bool = False,
     ) -> None:  # fmt: skip
-        """A stream (``eviction``) is bounded by its window, not by the context."""
+        """A stream (``eviction``) is bounded by its window, not by the context: its output
+        may run past it, and so may its prompt unless it is prefilled here for export."""
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
         vocab = self.spec.vocab_size
@@ -244,7 +248,7 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError("token_ids", f"token id {bad} is outside [0, {vocab})")
         sampling.check_vocab(vocab)
-        if eviction is not None:
+        if eviction is not None and not prefill_only:
             return
         if len(prompt) + num_generated >= self.max_model_len:
             raise InvalidRequestError(
@@ -252,7 +256,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model serves at most "
                 f"{self.max_model_len} tokens of context, including the output",
             )
-        if len(prompt) + sampling.max_tokens > self.max_model_len:
+        if len(prompt) + sampling.max_tokens > self.max_model_len and eviction is None:
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "

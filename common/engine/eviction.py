@@ -30,40 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.errors import InvalidRequestError
+from common.contract.eviction import KV_EVICTIONS, STREAMING, KvEviction
 
-STREAMING = "streaming"
-KV_EVICTIONS = ("none", STREAMING)
-
-
-@dataclass(frozen=True)
-class KvEviction:
-    sink_tokens: int = 16
-    window_tokens: int = 1024
-
-    def check(self, block_size: int, max_positions: int) -> None:
-        """The sinks, two windows and a block must fit the rotary table: a step's chunk is
-        at most a window, on top of what is kept."""
-        if self.sink_tokens < 0:
-            raise InvalidRequestError("kv_eviction.sink_tokens", f"{self.sink_tokens} < 0")
-        if self.window_tokens < block_size:
-            raise InvalidRequestError(
-                "kv_eviction.window_tokens",
-                f"{self.window_tokens} is less than a KV block ({block_size} tokens)",
-            )
-        span = self.sink_blocks(block_size) * block_size + 2 * self.window_tokens + 2 * block_size
-        if span > max_positions:
-            raise InvalidRequestError(
-                "kv_eviction.window_tokens",
-                f"sinks ({self.sink_tokens}) and two windows of {self.window_tokens} tokens "
-                f"need {span} positions; this model has {max_positions}",
-            )
-
-    def sink_blocks(self, block_size: int) -> int:
-        return -(-self.sink_tokens // block_size)
-
-    def describe(self) -> str:
-        return f"streaming(sinks={self.sink_tokens}, window={self.window_tokens})"
+__all__ = ["KV_EVICTIONS", "STREAMING", "KvEviction", "KvOps", "StreamState"]
 
 
 @dataclass

@@ -45,7 +45,8 @@ def check_sizes(request: Any, limit: int) -> None:
         )
     if "sampling" not in request.DESCRIPTOR.fields_by_name:
         return
-    if request.sampling.max_tokens >= limit:
+    streams = request.sampling.HasField("kv_eviction")  # StreamingLLM: past the context
+    if request.sampling.max_tokens >= limit and not streams:
         raise InvalidRequestError(
             "sampling.max_tokens",
             f"max_tokens ({request.sampling.max_tokens}) leaves no room for a prompt in the "

@@ -231,7 +231,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise InvalidRequestError(
                 field, f"the prompt has {len(prompt)} tokens; the model's context holds {limit}"
             )
-        if request.sampling.max_tokens > limit - len(prompt):
+        streams = request.sampling.HasField("kv_eviction")  # StreamingLLM: past the context
+        if request.sampling.max_tokens > limit - len(prompt) and not streams:
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"prompt ({len(prompt)}) + max_tokens ({request.sampling.max_tokens}) exceeds the "
@@ -239,6 +240,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         sampling = SamplingParams.from_pb(request.sampling, limit - len(prompt))
         sampling.check_vocab(self.spec.vocab_size)
+        if sampling.kv_eviction is not None:  # refused here, before any prefill
+            sampling.kv_eviction.check(self.config.block_size, self.spec.max_position_embeddings)
         if sampling.structured_output is not None:
             with tracer().start_as_current_span("compile_constraint"):
                 await self.constraints.check(sampling.structured_output)

@@ -70,6 +70,12 @@ def constrained(**constraint: str) -> gateway_pb2.GenerateRequest:
     return request
 
 
+def streaming(**eviction: int) -> gateway_pb2.GenerateRequest:
+    request = hello()
+    request.sampling.kv_eviction.CopyFrom(common_pb2.KvEviction(**eviction))
+    return request
+
+
 def with_id(request_id: str, max_tokens: int = 4) -> gateway_pb2.GenerateRequest:
     request = hello(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request.request_id = request_id
@@ -132,6 +138,16 @@ CASES = [
         "grammar_with_an_undefined_rule",
         "sampling.structured_output.grammar",
         lambda i: constrained(grammar="start: nowhere"),
+    ),
+    _invalid(
+        "eviction_window_under_a_block",
+        "sampling.kv_eviction.window_tokens",
+        lambda i: streaming(sink_tokens=4, window_tokens=8),
+    ),
+    _invalid(
+        "eviction_without_a_window",
+        "sampling.kv_eviction.window_tokens",
+        lambda i: streaming(sink_tokens=4),
     ),
     _invalid("negative_temperature", "sampling.temperature", lambda i: hello(temperature=-0.5)),
     _invalid("nan_temperature", "sampling.temperature", lambda i: hello(temperature=math.nan)),
