@@ -156,7 +156,7 @@ class Scheduler:
         assert req.num_computed_tokens == 0, f"{req.request_id} waits with computed tokens"
         if req.kv_import is not None:
             num_imported = req.kv_import.num_tokens
-            num_new = min(req.num_tokens - num_imported, budget)
+            num_new = min(req.num_tokens - num_imported, budget, _chunk_cap(req))
             if not self.kv.allocate_slots(req, num_imported + num_new):
                 return None
             block_ids = self.kv.block_ids(req)[: self.kv.blocks_for_tokens(num_imported)]

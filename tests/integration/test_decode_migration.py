@@ -34,6 +34,7 @@ import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.contract.eviction import KvEviction
 from common.contract.sampling import SamplingParams
 from common.contract.structured import ConstraintKind, StructuredOutput
 from common.telemetry.metrics import Samples, scrape
@@ -350,6 +351,45 @@ def test_a_constrained_stream_drained_mid_object_ends_in_the_same_valid_json(
     assert storm.token_ids == calm.token_ids and storm.text == calm.text
     assert gateway_metrics(stack).sum(MIGRATIONS, reason="draining") > draining_before
     assert re.search(rf"request json-storm: decode stream from {drained}", stack.log_of("gateway"))
+    assert_nothing_held(stack)
+    assert_serving(stack)
+
+
+def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack: Stack) -> None:
+    """A StreamingLLM stream (sinks 16, window 64) whose decode worker drains after 120
+    tokens, well past its first eviction: the gateway moves it with its eviction (it is part
+    of the request's sampling) to the other decode worker, which imports the blocks written
+    before the first eviction (the only ones ever written behind) and recomputes the rest
+    evicting as it goes; the stream ends at max_tokens, its tokens before the drain are the
+    undisturbed run's, and no block is left held. (After the move the stream's KV is
+    recomputed in chunks, not token by token, so later tokens may differ from the calm run.)"""
+    stack = chaos_stack
+    eviction = KvEviction(sink_tokens=16, window_tokens=64)
+    job = Job(101, "Tell a long tale of a river and the boats upon it.",
+              SamplingParams(max_tokens=220, ignore_eos=True, kv_eviction=eviction))  # fmt: skip
+
+    async def run() -> tuple[RemoteCompletion, RemoteCompletion, int, str]:
+        client = GatewayClient(stack.target)
+        try:
+            calm = await complete(client, job, "evict-calm")
+            progress = {job.index: 0}
+            stream = asyncio.create_task(complete(client, job, "evict-storm", "evict-storm",
+                                                  progress))  # fmt: skip
+            while progress[job.index] < 120:
+                await asyncio.sleep(0.02)
+            at_drain = progress[job.index]
+            name = await asyncio.to_thread(running_decode_worker, stack)
+            restart = await asyncio.to_thread(stack.cli, "restart", name, timeout=900)
+            assert restart.returncode == 0, restart.stdout + restart.stderr
+            return calm, await stream, at_drain, name
+        finally:
+            await client.close()
+
+    calm, storm, at_drain, drained = asyncio.run(run())
+    assert len(calm.token_ids) == len(storm.token_ids) == 220
+    assert storm.finish_reason == "length"
+    assert storm.token_ids[:at_drain] == calm.token_ids[:at_drain]
+    assert re.search(rf"request evict-storm: decode stream from {drained}", stack.log_of("gateway"))
     assert_nothing_held(stack)
     assert_serving(stack)
 
