@@ -357,7 +357,7 @@ def test_a_constrained_stream_drained_mid_object_ends_in_the_same_valid_json(
 
 def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack: Stack) -> None:
     """A StreamingLLM stream (sinks 16, window 64) whose decode worker drains after 120
-    tokens, well past its first eviction: the gateway moves it with its eviction (it is part
+    tokens, well past its first eviction, with 480 to go: the gateway moves it with its eviction (it is part
     of the request's sampling) to the other decode worker, which imports the blocks written
     before the first eviction (the only ones ever written behind) and recomputes the rest
     evicting as it goes; the stream ends at max_tokens, its tokens before the drain are the
@@ -366,7 +366,7 @@ def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack:
     stack = chaos_stack
     eviction = KvEviction(sink_tokens=16, window_tokens=64)
     job = Job(101, "Tell a long tale of a river and the boats upon it.",
-              SamplingParams(max_tokens=220, ignore_eos=True, kv_eviction=eviction))  # fmt: skip
+              SamplingParams(max_tokens=600, ignore_eos=True, kv_eviction=eviction))  # fmt: skip
 
     async def run() -> tuple[RemoteCompletion, RemoteCompletion, int, str]:
         client = GatewayClient(stack.target)
@@ -386,7 +386,8 @@ def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack:
             await client.close()
 
     calm, storm, at_drain, drained = asyncio.run(run())
-    assert len(calm.token_ids) == len(storm.token_ids) == 220
+    # 480 tokens left at the drain: the stream outlasts the drain's grace and must move.
+    assert len(calm.token_ids) == len(storm.token_ids) == 600
     assert storm.finish_reason == "length"
     assert storm.token_ids[:at_drain] == calm.token_ids[:at_drain]
     assert re.search(rf"request evict-storm: decode stream from {drained}", stack.log_of("gateway"))
