@@ -264,15 +264,7 @@ class Engine:
             )
 
     def _check_import(self, kv_import: KvImport, num_tokens: int) -> None:
-        self.runner.check_kv_transferable("import")  # refused at admission, not mid-step
-        expected = (
-            -(-kv_import.num_tokens // self.block_size),
-            self.spec.num_layers,
-            2,
-            self.block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-        )
+        expected = (-(-kv_import.num_tokens // self.block_size), *self.runner.kv_wire_shape)
         if tuple(kv_import.data.shape) != expected:
             raise InvalidRequestError(
                 "kv", f"imported KV has shape {tuple(kv_import.data.shape)}, expected {expected}"

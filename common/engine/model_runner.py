@@ -155,13 +155,19 @@ class ModelRunner:
     def kv_quantized(self) -> bool:
         return self.kv_dtype in QUANTIZED_KV_DTYPES
 
-    def check_kv_transferable(self, direction: str = "export") -> None:
-        """Raises ValueError for a quantized cache: the wire layout carries no scales yet."""
-        if self.kv_quantized:
-            raise ValueError(
-                f"KV {direction} of int8/fp8 caches is not supported yet (this engine's KV "
-                f"dtype is {self.config.kv_dtype}); use a float kv_dtype for disaggregated serving"
-            )
+    @property
+    def kv_block_shape(self) -> tuple[int, int, int, int, int]:
+        spec = self.spec
+        return (spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
+
+    @property
+    def kv_wire_shape(self) -> tuple[int, ...]:
+        """One block as export_blocks hands it out (common/kv/layout.py's wire_shape):
+        [L, 2, S, Hkv, D], or for a quantized cache its bytes, codes then scales."""
+        if self.kv_scales is None:
+            return self.kv_block_shape
+        codes = math.prod(self.kv_block_shape) * self.kv_dtype.itemsize
+        return (codes + self.spec.num_layers * 2 * self.spec.num_kv_heads * 4,)
 
     @torch.inference_mode()
     def execute(
@@ -322,19 +328,41 @@ class ModelRunner:
         return out
 
     def _import(self, item: ScheduledRequest) -> None:
-        self.check_kv_transferable("import")
         kv_import = item.request.kv_import
         assert kv_import is not None, item.request.request_id
-        data = kv_import.data.to(device=self.device, dtype=self.kv_dtype)  # [n, L, 2, S, Hkv, D]
         block_ids = torch.tensor(item.import_block_ids, dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(2, block_ids, data.permute(1, 2, 0, 3, 4, 5))
+        if self.kv_scales is not None:  # [n, bytes_per_block] uint8: codes, then scales
+            codes, scales = self._split_quantized(kv_import.data.to(self.device))
+            # As bytes: CPU torch has no index_copy for float8.
+            self.kv_cache.view(torch.uint8).index_copy_(
+                2, block_ids, codes.view(torch.uint8).permute(1, 2, 0, 3, 4, 5)
+            )
+            self.kv_scales.index_copy_(2, block_ids, scales.permute(1, 2, 0, 3))
+        else:
+            data = kv_import.data.to(device=self.device, dtype=self.kv_dtype)  # [n, L, 2, S, ..]
+            self.kv_cache.index_copy_(2, block_ids, data.permute(1, 2, 0, 3, 4, 5))
         item.request.kv_import = None
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, L, 2, S, Hkv, D] contiguous copy of the blocks, the KV wire layout."""
-        self.check_kv_transferable("export")
+        """Contiguous copies of the blocks in the KV wire layout: [n, L, 2, S, Hkv, D] of a
+        float cache, [n, bytes_per_block] uint8 (codes, then float32 scales [L, 2, Hkv]) of
+        an int8 / fp8 one."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        codes = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if self.kv_scales is None:
+            return codes
+        scales = self.kv_scales.index_select(2, index).permute(2, 0, 1, 3).contiguous()
+        n = len(block_ids)
+        return torch.cat([codes.view(torch.uint8).reshape(n, -1),
+                          scales.view(torch.uint8).reshape(n, -1)], dim=1)  # fmt: skip
+
+    def _split_quantized(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, bytes_per_block] uint8 -> codes [n, L, 2, S, Hkv, D], scales [n, L, 2, Hkv]."""
+        shape = self.kv_block_shape
+        n, offset = data.shape[0], math.prod(shape) * self.kv_dtype.itemsize
+        codes = data[:, :offset].contiguous().view(self.kv_dtype).view(n, *shape)
+        scales = data[:, offset:].contiguous().view(torch.float32)
+        return codes, scales.view(n, self.spec.num_layers, 2, self.spec.num_kv_heads)
 
 
 def _is_prompt_token(item: ScheduledRequest) -> bool:

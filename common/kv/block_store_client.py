@@ -129,7 +129,7 @@ class BlockStoreClient:
         FailedPreconditionError when the store holds this model in another layout.
         """
         if not block_hashes:
-            return torch.empty(0, *self.layout.block_shape, dtype=self.layout.dtype)
+            return torch.empty(0, *self.layout.wire_shape, dtype=self.layout.wire_dtype)
         with self._span("get", len(block_hashes)) as span:
             data = await self._get(block_hashes, timeout_s)
             span.set_attribute("pdserve.kv.bytes", data.numel() * data.element_size())
@@ -206,11 +206,13 @@ class BlockStoreClient:
                 raise
 
     def _check_blocks(self, block_hashes: Sequence[int], blocks: torch.Tensor) -> None:
-        expected = (len(block_hashes), *self.layout.block_shape)
+        expected = (len(block_hashes), *self.layout.wire_shape)
         if tuple(blocks.shape) != expected:
             raise InvalidRequestError("blocks", f"shape {tuple(blocks.shape)}, expected {expected}")
-        if blocks.dtype != self.layout.dtype:
-            raise InvalidRequestError("blocks", f"dtype {blocks.dtype}, layout {self.layout.dtype}")
+        if blocks.dtype != self.layout.wire_dtype:
+            raise InvalidRequestError(
+                "blocks", f"dtype {blocks.dtype}, layout {self.layout.wire_dtype}"
+            )
 
     async def _call(self, what: str, call: Awaitable[T], deadline: _Deadline | None = None) -> T:
         try:

@@ -1,8 +1,11 @@
 """KV blocks on the wire: the layout message, chunking with CRC-32C, and reassembly.
 
 One block = all layers' K and V for ``block_size`` tokens, ``[L, 2, S, Hkv, D]`` row-major,
-little-endian elements of ``dtype`` (ARCHITECTURE.md). A block travels as chunks of at most
-4 MiB; the chunk that ends a block carries the CRC-32C of the whole block.
+little-endian elements of ``dtype`` (ARCHITECTURE.md). A quantized block (int8, fp8) is
+followed by its scales: float32 ``[L, 2, Hkv]``, one per (layer, K or V, kv head), at
+``scales_offset_bytes``; such blocks move as ``[n, bytes_per_block]`` uint8 tensors
+(``wire_shape``), float ones as ``[n, L, 2, S, Hkv, D]`` of their dtype. A block travels as
+chunks of at most 4 MiB; the chunk that ends a block carries the CRC-32C of the whole block.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ _DTYPES: dict[torch.dtype, int] = {
     torch.float8_e4m3fn: common_pb2.KV_DTYPE_FP8_E4M3,
 }
 _FROM_PB = {v: k for k, v in _DTYPES.items()}
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # blocks that carry scales
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,37 @@ class KvLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
-    def bytes_per_block(self) -> int:
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED
+
+    @property
+    def element_bytes(self) -> int:
+        """The K and V elements of one block."""
         element = torch.empty(0, dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def scales_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads)
+
+    @property
+    def scales_offset_bytes(self) -> int:
+        """Where a quantized block's float32 scales begin (0: a float block has none)."""
+        return self.element_bytes if self.quantized else 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        scales = self.num_layers * 2 * self.num_kv_heads * 4 if self.quantized else 0
+        return self.element_bytes + scales
+
+    @property
+    def wire_shape(self) -> tuple[int, ...]:
+        """One block's shape as a tensor moves it (see the module docstring)."""
+        return (self.bytes_per_block,) if self.quantized else self.block_shape
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else self.dtype
 
     def to_pb(self) -> common_pb2.KvLayout:
         return common_pb2.KvLayout(
@@ -53,6 +85,7 @@ class KvLayout:
             block_size=self.block_size,
             dtype=_DTYPES[self.dtype],  # type: ignore[arg-type]
             bytes_per_block=self.bytes_per_block,
+            scales_offset_bytes=self.scales_offset_bytes,
         )
 
     @classmethod
@@ -64,6 +97,11 @@ class KvLayout:
             raise InvalidRequestError(
                 "layout.bytes_per_block",
                 f"{pb.bytes_per_block} disagrees with the shape ({layout.bytes_per_block})",
+            )
+        if pb.scales_offset_bytes != layout.scales_offset_bytes:
+            raise InvalidRequestError(
+                "layout.scales_offset_bytes",
+                f"{pb.scales_offset_bytes} disagrees with the shape ({layout.scales_offset_bytes})",
             )
         return layout
 
@@ -192,9 +230,10 @@ class BlockAssembler:
         return self.num_complete == self.num_blocks
 
     def tensor(self) -> torch.Tensor:
-        """[n, L, 2, S, Hkv, D] view over the received bytes (no copy)."""
+        """[n, *wire_shape] view over the received bytes (no copy)."""
         if not self.done:
             raise DataLossError(
                 f"KV stream ended after {self.num_complete} of {self.num_blocks} blocks"
             )
-        return self._bytes.view(self.layout.dtype).view(self.num_blocks, *self.layout.block_shape)
+        data = self._bytes.view(self.layout.wire_dtype)
+        return data.view(self.num_blocks, *self.layout.wire_shape)

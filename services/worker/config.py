@@ -51,11 +51,6 @@ class WorkerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.engine.kv_dtype in ("int8", "fp8"):
-            raise ValueError(
-                f"--kv-dtype {self.engine.kv_dtype}: workers exchange KV in the wire layout, which "
-                "does not carry quantization scales yet; serve float KV (auto/float32/bfloat16/float16)"
-            )
         if self.lease_ttl_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("lease_ttl_s and heartbeat_s must be positive")
         if self.kv_load_failure not in KV_LOAD_FAILURE_POLICIES:

@@ -69,6 +69,7 @@ class WorkerRuntime:
             engine.block_size,
             engine.runner.kv_cache.dtype,
         )
+        assert self.layout.wire_shape == engine.runner.kv_wire_shape, "wire layouts disagree"
         self.tier = engine.runner.device.type
         self.leases = LeaseTable(config.lease_ttl_s, on_release=self._release_engine_blocks)
         self.metrics = WorkerMetrics(metrics_registry or CollectorRegistry(), self.model)

@@ -32,8 +32,9 @@ from common.engine.engine import Engine
 from common.engine.model_runner import kv_bytes_per_block
 from common.engine.request import FinishReason, KvImport
 from common.engine.sampler import SampleResult
+from common.kv.layout import KvLayout
 from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
-from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
+from tests.factories import make_tiny_checkpoint, random_prompts, run_to_completion, tiny_engine
 
 PROMPT_LENGTHS = [1, 7, 16, 33, 70, 5, 40, 100]
 NEW_TOKENS = 32
@@ -198,31 +199,39 @@ def test_float16_kv_with_float32_model_runs(ckpt: Path) -> None:
     assert prefix >= 0.5, prefix
 
 
-def test_kv_transfer_of_quantized_cache_is_refused(ckpt: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_cache_moves_with_its_scales_and_decodes_the_same(
+    ckpt: Path, kv_dtype: str
+) -> None:
+    """Prefill on one int8 / fp8 engine, export (codes, then scales), import into another:
+    the decode continues exactly as a single engine's, and a block is a quarter (int8) of
+    float32's bytes plus its scales."""
     (prompt,) = random_prompts(384, [45], seed=5)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    producer = tiny_engine(ckpt, kv_dtype="int8")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    whole = run_to_completion(tiny_engine(ckpt, kv_dtype=kv_dtype), {"r": prompt}, params)["r"]
+
+    producer = tiny_engine(ckpt, kv_dtype=kv_dtype)
     producer.add_request("r", prompt, params, prefill_only=True)
     (out,) = producer.step()
     assert out.finish_reason is FinishReason.PREFILLED
-    with pytest.raises(ValueError, match="KV export of int8/fp8 caches is not supported yet"):
-        producer.export_kv("r")
+    export = producer.export_kv("r")
+    layout = layout_of(producer)
+    assert layout.quantized and export.data.dtype == torch.uint8
+    assert tuple(export.data.shape) == (3, layout.bytes_per_block)  # 45 tokens: 3 blocks
+    float_layout = layout_of(tiny_engine(ckpt))
+    scales = layout.num_layers * 2 * layout.num_kv_heads * 4
+    assert layout.bytes_per_block == float_layout.bytes_per_block // 4 + scales
+    assert KvLayout.from_pb(layout.to_pb()) == layout
+    consumer = tiny_engine(ckpt, kv_dtype=kv_dtype)
+    consumer.add_request("r", prompt, params, output_token_ids=out.new_token_ids,
+                         kv_import=KvImport(export.num_tokens, export.data))  # fmt: skip
+    rest: list[int] = []
+    while consumer.has_unfinished():
+        for step in consumer.step():
+            rest += step.new_token_ids
+    assert consumer.runner.num_forward_tokens == 12 - 1  # nothing recomputed
+    assert out.new_token_ids + rest == whole
     assert producer.release("r")
-
-    float_producer = tiny_engine(ckpt)
-    float_producer.add_request("r", prompt, params, prefill_only=True)
-    (out,) = float_producer.step()
-    export = float_producer.export_kv("r")
-    consumer = tiny_engine(ckpt, kv_dtype="fp8")
-    with pytest.raises(ValueError, match="KV import of int8/fp8 caches is not supported yet"):
-        consumer.add_request(
-            "r",
-            prompt,
-            params,
-            output_token_ids=out.new_token_ids,
-            kv_import=KvImport(export.num_tokens, export.data),
-        )
-    assert not consumer.has_unfinished()
 
 
 def test_kv_dtype_and_backend_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,3 +286,10 @@ def test_torch_path_never_uses_the_triton_kernels(ckpt: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def layout_of(engine: Engine) -> KvLayout:
+    """The engine's blocks on the wire, as a worker describes them."""
+    spec = engine.spec
+    return KvLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.block_size,
+                    engine.runner.kv_dtype)  # fmt: skip

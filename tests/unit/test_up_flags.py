@@ -23,7 +23,7 @@ UP_ARGV = [
     "2", "--expert-load-window-s", "30", "--expert-load-windows", "12", "--kv-pull-timeout-s", "4",
     "--max-num-seqs", "8", "--local-prefill-tokens", "32", "--lease-ttl-s", "11",
     "--quantization", "int4", "--quant-group-size", "64", "--quant-kernel", "torch",
-    "--quant-act-bits", "8", "--kv-eviction", "streaming", "--sink-tokens", "4",
+    "--quant-act-bits", "8", "--kv-dtype", "int8", "--kv-eviction", "streaming", "--sink-tokens", "4",
     "--window-tokens", "512",
 ]  # fmt: skip
 

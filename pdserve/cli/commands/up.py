@@ -58,7 +58,7 @@ class Pki:
 # Engine flags forwarded to every worker as given.
 _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size",
+    "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size", "kv_dtype",
     "quantization", "quant_group_size", "quant_kernel", "quant_act_bits",
 )  # fmt: skip
 # Gateway flags forwarded as given.
@@ -177,6 +177,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--attention-backend", default=None)
+    up.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+        help="every worker's KV cache (see pdserve decode --help); int8 / fp8 blocks move "
+        "between workers and through the block store with their scales",
+    )
     quant = up.add_argument_group("weight format (see pdserve prefill --help)")
     quant.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     quant.add_argument("--quant-group-size", type=int, default=None)

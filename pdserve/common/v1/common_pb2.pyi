@@ -139,20 +139,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "bytes_per_block")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "bytes_per_block", "scales_offset_bytes")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SCALES_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: KvDtype
     bytes_per_block: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    scales_offset_bytes: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., bytes_per_block: _Optional[int] = ..., scales_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("request_id", "hash_scheme_version", "block_hashes", "num_tokens", "layout", "producer_address", "lease_id", "lease_expiry_unix_ms", "model", "weight_format")
