@@ -357,6 +357,12 @@ def test_a_constrained_stream_drained_mid_object_ends_in_the_same_valid_json(
 
 def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack: Stack) -> None:
     """A StreamingLLM stream (sinks 16, window 64) whose decode worker drains after 120
+    tokens, well past its first eviction, with 480 to go: the gateway moves it with its
+    eviction (part of the request's sampling) to the other decode worker, which imports the
+    blocks written before the first eviction (the only ones ever written behind) and
+    recomputes the rest evicting as it goes; the stream ends at max_tokens, its tokens before
+    the drain are the undisturbed run's, and no block is left held. (After the move the
+    stream's KV is recomputed in chunks, not token by token, so later tokens may differ.)"""A StreamingLLM stream (sinks 16, window 64) whose decode worker drains after 120
     tokens, well past its first eviction, with 480 to go: the gateway moves it with its eviction (it is part
     of the request's sampling) to the other decode worker, which imports the blocks written
     before the first eviction (the only ones ever written behind) and recomputes the rest
