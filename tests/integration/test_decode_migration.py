@@ -362,13 +362,7 @@ def test_an_evicting_stream_drained_past_its_first_eviction_goes_on(chaos_stack:
     blocks written before the first eviction (the only ones ever written behind) and
     recomputes the rest evicting as it goes; the stream ends at max_tokens, its tokens before
     the drain are the undisturbed run's, and no block is left held. (After the move the
-    stream's KV is recomputed in chunks, not token by token, so later tokens may differ.)"""A StreamingLLM stream (sinks 16, window 64) whose decode worker drains after 120
-    tokens, well past its first eviction, with 480 to go: the gateway moves it with its eviction (it is part
-    of the request's sampling) to the other decode worker, which imports the blocks written
-    before the first eviction (the only ones ever written behind) and recomputes the rest
-    evicting as it goes; the stream ends at max_tokens, its tokens before the drain are the
-    undisturbed run's, and no block is left held. (After the move the stream's KV is
-    recomputed in chunks, not token by token, so later tokens may differ from the calm run.)"""
+    stream's KV is recomputed in chunks, not token by token, so later tokens may differ.)"""
     stack = chaos_stack
     eviction = KvEviction(sink_tokens=16, window_tokens=64)
     job = Job(101, "Tell a long tale of a river and the boats upon it.",
