@@ -101,7 +101,10 @@ class ChaosStack(Stack):
 @pytest.fixture(scope="module")
 def chaos(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
     with up_stack(
-        smollm_dir, tmp_path_factory, "chaos", "--kv-cache-memory", "160MiB",
+        # 512 MiB: about 700 blocks a worker, so the steady load of a test (a few hundred
+        # blocks of prompts) cannot evict what the test cached before it (the Redis test's
+        # marker must still be held, and so republished, after the outage).
+        smollm_dir, tmp_path_factory, "chaos", "--kv-cache-memory", "512MiB",
         "--prefill-timeout-s", str(PREFILL_TIMEOUT_S), "--kv-pull-timeout-s", "3",
         "--decode-stall-timeout-s", str(DECODE_STALL_TIMEOUT_S),
         "--blockstore-timeout-s", "1", "--breaker-failures", str(BREAKER_FAILURES),
