@@ -26,7 +26,11 @@ from common.telemetry.metrics import scrape
 from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.client import GatewayClient, RemoteCompletion, collect
 from tests.integration.conftest import Stack, up_stack
-from tests.integration.test_decode_migration import SHORT_PUT_EXPIRY, assert_nothing_held
+from tests.integration.test_decode_migration import (
+    SHORT_PUT_EXPIRY,
+    assert_nothing_held,
+    running_decode_worker,
+)
 from tests.near_ties import NearTies
 from tests.prompts import passage
 
@@ -151,7 +155,8 @@ def test_sigkill_of_a_speculating_decode_worker_loses_and_repeats_nothing(
 ) -> None:
     prompts = PROMPTS * 3
     want = llm.generate(prompts, GREEDY)
-    victim = spec_stack.children()["decode-0"]
+    children = spec_stack.children()
+    killed: list[str] = []
 
     async def run() -> list[RemoteCompletion]:
         client = GatewayClient(spec_stack.target)
@@ -167,24 +172,37 @@ def test_sigkill_of_a_speculating_decode_worker_loses_and_repeats_nothing(
 
         try:
             streams = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-            while min(progress) < 20 and not all(s.done() for s in streams):
+            # Once streams are 20 tokens in, kill a decode worker that runs some (which one
+            # gets them is routing's choice): they are mid-stream there.
+            while max(progress) < 20:
                 await asyncio.sleep(0.02)
-            os.kill(victim.pid, signal.SIGKILL)
+            name = await asyncio.to_thread(running_decode_worker, spec_stack)
+            killed.append(name)
+            os.kill(children[name].pid, signal.SIGKILL)
             return list(await asyncio.gather(*streams))
         finally:
             await client.close()
 
-    survivor = spec_stack.children()["decode-1"]
-    assert survivor.metrics_url is not None
-    proposed_before = scrape(survivor.metrics_url).sum("pdserve:spec_decode_num_draft_tokens_total")
+    urls = {name: children[name].metrics_url for name in ("decode-0", "decode-1")}
+    assert all(urls.values()), urls
+    proposed_before = {
+        name: scrape(url).sum("pdserve:spec_decode_num_draft_tokens_total")
+        for name, url in urls.items()
+        if url
+    }
     got = asyncio.run(run())
+    (victim_name,) = killed
+    victim = children[victim_name]
+    survivor_name = "decode-1" if victim_name == "decode-0" else "decode-0"
+    survivor_url = urls[survivor_name]
+    assert survivor_url is not None
     near_ties = NearTies(spec_stack.model_dir)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         # A migrated stream's tail is recomputed: equal, or parted at a near-tie (shown).
         if near_ties.check(prompts[i], g.token_ids, w.token_ids, f"stream {i}"):
             assert g.text == w.text
-    assert "decode stream from decode-0 broke" in spec_stack.log_of("gateway")
+    assert f"decode stream from {victim_name} broke" in spec_stack.log_of("gateway")
     # The migrated streams went on speculating on the survivor, and nothing is left held.
-    proposed_after = scrape(survivor.metrics_url).sum("pdserve:spec_decode_num_draft_tokens_total")
-    assert proposed_after > proposed_before
+    proposed_after = scrape(survivor_url).sum("pdserve:spec_decode_num_draft_tokens_total")
+    assert proposed_after > proposed_before[survivor_name]
     assert_nothing_held(spec_stack, skip_pids=(victim.pid,))
