@@ -7,14 +7,14 @@ work across processes.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
-from common.engine.engine import Engine
+from common.engine.engine import Engine, RequestOutput
 from common.engine.eviction import KvEviction
 from common.engine.request import FinishReason, TokenLogprob
 from common.text.detokenizer import IncrementalDetokenizer
@@ -98,14 +98,9 @@ class LLM:
         sampling = SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True)
         self.engine.add_request(request_id, token_ids, sampling, keep_prompt_rows=True)
         rows: torch.Tensor | None = None
-        finished = False
-        while not finished:
-            for out in self.engine.step():
-                if out.request_id != request_id:
-                    continue
-                if out.prompt_logprob_rows is not None:
-                    rows = out.prompt_logprob_rows
-                finished = out.finished
+        for out in self._outputs_of(request_id):
+            if out.prompt_logprob_rows is not None:
+                rows = out.prompt_logprob_rows
         if rows is None:  # finished before its first token: the KV pool cannot hold it
             raise ValueError(
                 f"a window of {len(token_ids)} tokens does not fit this engine's KV pool"
@@ -122,14 +117,18 @@ class LLM:
         sampling = SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True)
         self.engine.add_request(request_id, token_ids, sampling, eviction=eviction)
         entries: list[TokenLogprob | None] | None = None
-        finished = False
-        while not finished:
-            for out in self.engine.step():
-                if out.request_id != request_id:
-                    continue
-                if out.prompt_logprobs is not None:
-                    entries = out.prompt_logprobs
-                finished = out.finished
+        for out in self._outputs_of(request_id):
+            if out.prompt_logprobs is not None:
+                entries = out.prompt_logprobs
         if entries is None or len(entries) != len(token_ids):
             raise ValueError(f"the stream of {len(token_ids)} tokens was not scored whole")
         return [entry.logprob for entry in entries[1:] if entry is not None]
+
+    def _outputs_of(self, request_id: str) -> Iterator[RequestOutput]:
+        """Steps the engine until ``request_id`` finishes; yields that request's outputs."""
+        finished = False
+        while not finished:
+            for out in self.engine.step():
+                if out.request_id == request_id:
+                    finished = out.finished
+                    yield out

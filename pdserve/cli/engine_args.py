@@ -9,6 +9,8 @@ from common.engine.eviction import KV_EVICTIONS
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 
+KV_DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16", "int8", "fp8"]
+
 
 def speculative_config_arg(text: str) -> str:
     """argparse type of --speculative-config: the JSON, checked now (a bad one is a usage
@@ -53,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-dtype",
         default=None,
-        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+        choices=KV_DTYPE_CHOICES,
         help="KV cache element type; auto = the model dtype, int8 / fp8 (e4m3) store codes "
         "with a scale per block and kv head (env PDSERVE_KV_DTYPE)",
     )

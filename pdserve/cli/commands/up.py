@@ -16,7 +16,11 @@ import grpc
 
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
-from pdserve.cli.engine_args import add_eviction_args, speculative_config_arg
+from pdserve.cli.engine_args import (
+    KV_DTYPE_CHOICES,
+    add_eviction_args,
+    speculative_config_arg,
+)
 from pdserve.cli.launcher import (
     Child,
     RedisSecurity,
@@ -180,7 +184,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--kv-dtype",
         default=None,
-        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+        choices=KV_DTYPE_CHOICES,
         help="every worker's KV cache (see pdserve decode --help); int8 / fp8 blocks move "
         "between workers and through the block store with their scales",
     )
