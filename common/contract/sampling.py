@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.contract.eviction import KvEviction
+from common.contract.eviction import KvCompression, KvEviction
 from common.contract.structured import MAX_CONSTRAINT_CHARS, StructuredOutput
 from common.errors import InvalidRequestError
 
@@ -53,6 +53,8 @@ class SamplingParams:
     # StreamingLLM for this request (None = the worker's default): the stream keeps sinks
     # and a window, and may run past the context.
     kv_eviction: KvEviction | None = None
+    # SnapKV prompt compression for this request (None = the worker's default).
+    kv_compression: KvCompression | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -149,6 +151,9 @@ class SamplingParams:
             if pb.HasField("structured_output")
             else None,
             kv_eviction=KvEviction.from_pb(pb.kv_eviction) if pb.HasField("kv_eviction") else None,
+            kv_compression=KvCompression.from_pb(pb.kv_compression)
+            if pb.HasField("kv_compression")
+            else None,
         )
 
     def to_pb(self, pb: SamplingParamsPb) -> SamplingParamsPb:
@@ -182,6 +187,10 @@ class SamplingParams:
             self.kv_eviction.to_pb(pb.kv_eviction)
         else:
             pb.ClearField("kv_eviction")
+        if self.kv_compression is not None:
+            self.kv_compression.to_pb(pb.kv_compression)
+        else:
+            pb.ClearField("kv_compression")
         return pb
 
     @property

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.engine.compression import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS, KvCompression
 from common.engine.eviction import KV_EVICTIONS, KvEviction
 from common.engine.speculative.config import SpeculativeConfig
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
@@ -88,6 +89,12 @@ class EngineConfig:
     kv_eviction: str = "none"
     sink_tokens: int = 16
     window_tokens: int = 1024
+    # SnapKV prompt compression for every request (common/engine/compression.py): none
+    # keeps all KV; snapkv keeps at most snapkv_budget_tokens of each prompt's KV, the
+    # blocks its last snapkv_window_tokens attend to most.
+    kv_compression: str = "none"
+    snapkv_budget_tokens: int = 1024
+    snapkv_window_tokens: int = DEFAULT_SNAPKV_WINDOW
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -134,6 +141,19 @@ class EngineConfig:
                 f"sink_tokens must be >= 0 and window_tokens at least a block ({self.block_size})"
                 f", got {self.sink_tokens} and {self.window_tokens}"
             )
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ValueError(
+                f"kv_compression must be one of {', '.join(KV_COMPRESSIONS)}, "
+                f"got {self.kv_compression!r}"
+            )
+        if self.compression is not None:
+            self.compression.check(self.block_size)  # an InvalidRequestError is a ValueError
+
+    @property
+    def compression(self) -> KvCompression | None:
+        if self.kv_compression == "none":
+            return None
+        return KvCompression(self.snapkv_budget_tokens, self.snapkv_window_tokens)
 
     @property
     def eviction(self) -> KvEviction | None:

@@ -34,6 +34,7 @@ import torch
 
 from common.contract.model_spec import ModelSpec, load_spec
 from common.contract.sampling import SamplingParams
+from common.engine.compression import KvCompression, SnapState, select_blocks
 from common.engine.config import EngineConfig
 from common.engine.eviction import KvEviction
 from common.engine.grammar import GrammarCompiler, GrammarState, StepMasks
@@ -93,6 +94,8 @@ class KvExport:
     num_tokens: int
     block_hashes: list[BlockHash]  # full blocks only
     data: torch.Tensor  # [n, L, 2, S, Hkv, D], n = ceil(num_tokens / S)
+    # SnapKV (compression.py): the prompt blocks kept, ascending; data holds only these.
+    kept_blocks: list[int] | None = None
 
 
 @dataclass
@@ -129,6 +132,12 @@ class Engine:
         self.default_eviction = config.eviction  # StreamingLLM for every request, or None
         if self.default_eviction is not None:
             self.check_eviction(self.default_eviction)
+        self.default_compression = config.compression  # SnapKV for every prompt, or None
+        if self.default_compression is not None:
+            self.check_compression(self.default_compression, self.default_eviction)
+        self.num_compressed = 0  # prompts compressed, and their blocks kept and dropped
+        self.num_compressed_kept_blocks = 0
+        self.num_compressed_dropped_blocks = 0
         self.speculative = config.speculative
         self.proposer = (
             proposer_for(self.speculative, config, self.spec.vocab_size)
@@ -181,11 +190,16 @@ class Engine:
         keep_prompt_rows: bool = False,
         grammar: GrammarState | None = None,
         eviction: KvEviction | None = None,
+        compression: KvCompression | None = None,
+        compress_at: int | None = None,
     ) -> Request:
         """``grammar``: the request's matcher when the caller compiled it already
         (``self.grammars.compile``, on a thread of its own); else it compiles here.
         ``eviction``: StreamingLLM for this request (default: the engine's, if any); a
-        prefill-only request never evicts (its KV is exported whole)."""
+        prefill-only request never evicts (its KV is exported whole).
+        ``compression``: SnapKV for this request (default: the request's, then the
+        engine's); ``compress_at`` compresses after that many tokens instead of the prompt
+        (scoring text past it against the compressed KV, as loadtest/bench_snapkv.py does)."""
         if request_id in self.requests or request_id in self.held:
             raise AlreadyExistsError(f"request {request_id!r} is already in flight here")
         eviction = eviction or sampling.kv_eviction or self.default_eviction
@@ -195,6 +209,13 @@ class Engine:
                       prefill_only)  # fmt: skip
         if prefill_only:
             eviction = None  # its KV is exported whole: the prompt fits the context
+        compression = compression or sampling.kv_compression or self.default_compression
+        if kv_import is not None and kv_import.kept_blocks is not None:
+            compression = compression or sampling.kv_compression  # compressed already
+        if compression is not None:
+            self.check_compression(compression, eviction)
+        if compress_at is not None and not 0 < compress_at <= len(prompt_token_ids):
+            raise InvalidRequestError("compress_at", f"{compress_at} is outside the prompt")
         if sampling.structured_output is not None:
             if grammar is None:
                 grammar = self.grammars.compile(sampling.structured_output)
@@ -203,6 +224,13 @@ class Engine:
             kv_import = None  # every prompt position is computed here, as for prefix hits
         if kv_import is not None:
             self._check_import(kv_import, len(prompt_token_ids) + len(output_token_ids or ()))
+        if compression is not None and kv_import is not None and kv_import.kept_blocks is None:
+            # Dense KV from elsewhere covers at most what precedes the window: the window's
+            # queries are computed here, all of them (as for prefix-cache hits).
+            end = compress_at or len(prompt_token_ids)
+            n = max(0, end - compression.window_tokens) // self.block_size
+            if n * self.block_size < kv_import.num_tokens:
+                kv_import = KvImport(n * self.block_size, kv_import.data[:n]) if n else None
         req = Request(
             request_id,
             prompt_token_ids,
@@ -219,6 +247,8 @@ class Engine:
             grammar=grammar,
             eviction=eviction,
             block_size=self.block_size,
+            compression=compression,
+            compress_at=compress_at,
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -233,6 +263,19 @@ class Engine:
         if self.spec.sliding_window:
             raise InvalidRequestError(
                 "kv_eviction", "this model attends through a sliding window of its own"
+            )
+
+    def check_compression(
+        self, compression: KvCompression, eviction: KvEviction | None = None
+    ) -> None:
+        compression.check(self.block_size)
+        if eviction is not None:
+            raise InvalidRequestError(
+                "sampling.kv_compression", "SnapKV does not combine with StreamingLLM eviction"
+            )
+        if self.spec.sliding_window:
+            raise InvalidRequestError(
+                "sampling.kv_compression", "this model attends through a sliding window of its own"
             )
 
     def validate(
@@ -264,7 +307,16 @@ class Engine:
             )
 
     def _check_import(self, kv_import: KvImport, num_tokens: int) -> None:
-        expected = (-(-kv_import.num_tokens // self.block_size), *self.runner.kv_wire_shape)
+        num_blocks = -(-kv_import.num_tokens // self.block_size)
+        kept = kv_import.kept_blocks
+        if kept is not None:
+            if not kept or kept != sorted(set(kept)) or kept[-1] != num_blocks - 1:
+                raise InvalidRequestError(
+                    "kv_handle.kept_block_indices",
+                    f"must ascend, without repeats, to the last block ({num_blocks - 1})",
+                )
+            num_blocks = len(kept)
+        expected = (num_blocks, *self.runner.kv_wire_shape)
         if tuple(kv_import.data.shape) != expected:
             raise InvalidRequestError(
                 "kv", f"imported KV has shape {tuple(kv_import.data.shape)}, expected {expected}"
@@ -332,6 +384,13 @@ class Engine:
                 continue  # computed, but what stays is known once verified
             item.request.num_computed_tokens += item.num_new_tokens
             self._publish(item.request)
+            snap = item.request.snap
+            if (
+                snap is not None
+                and not snap.done
+                and item.request.num_computed_tokens >= snap.prompt_len
+            ):
+                self._compress(item.request, snap)
         if not sampling:
             return outputs
         # One sampler row per logits row: a verify's row j sees its first j drafts.
@@ -400,6 +459,22 @@ class Engine:
         self.kv.publish_full_blocks(req)
         if req.write_behind and not (req.stream is not None and req.stream.evicted):
             self._copy_full_blocks(req)  # a stream's blocks after an eviction are its own
+
+    def _compress(self, req: Request, snap: SnapState) -> None:
+        """SnapKV once the prompt (or ``compress_at``) is computed: its blocks scored by the
+        window's queries, the rest freed (compression.py)."""
+        num_blocks = -(-snap.prompt_len // self.block_size)
+        block_ids = self.kv.block_ids(req)[:num_blocks]
+        scores = self.runner.snap_scores(block_ids, snap)
+        keep = select_blocks(scores, snap.policy, snap.prompt_len, self.block_size)
+        snap.done, snap.queries = True, []
+        if keep is None:
+            return
+        self.kv.compress(req, keep)
+        snap.kept_blocks = keep
+        self.num_compressed += 1
+        self.num_compressed_kept_blocks += len(keep)
+        self.num_compressed_dropped_blocks += num_blocks - len(keep)
 
     def _prepare_proposals(self) -> None:
         """Before the step is scheduled: guesses for every decoding request, each at most
@@ -509,11 +584,12 @@ class Engine:
         if req is None:
             raise NotFoundError(f"no prefilled KV held for request {request_id!r}")
         num_tokens = req.num_computed_tokens
-        num_blocks = -(-num_tokens // self.block_size)
+        kept = req.snap.kept_blocks if req.snap is not None else None
+        num_blocks = -(-num_tokens // self.block_size) if kept is None else len(kept)
         block_ids = self.kv.block_ids(req)[:num_blocks]
         req.update_block_hashes(self.block_size)
         hashes = req.block_hashes[: num_tokens // self.block_size]
-        return KvExport(request_id, num_tokens, hashes, self.runner.export_blocks(block_ids))
+        return KvExport(request_id, num_tokens, hashes, self.runner.export_blocks(block_ids), kept)
 
     def release(self, request_id: str) -> bool:
         """Frees a held prefill-only request's blocks; False if it was not held."""

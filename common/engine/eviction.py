@@ -37,9 +37,10 @@ __all__ = ["KV_EVICTIONS", "STREAMING", "KvEviction", "KvOps", "StreamState"]
 
 @dataclass
 class StreamState:
-    """One request's eviction so far."""
+    """One request's eviction so far (policy None: a SnapKV prompt's, which drops blocks
+    once, at compression, and never again; compression.py)."""
 
-    policy: KvEviction
+    policy: KvEviction | None
     num_sink_blocks: int
     num_evicted_blocks: int = 0
     position_base: int = 0  # the model sees position - base

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.engine.eviction import KvOps
+from common.engine.eviction import KvOps, StreamState
 from common.engine.request import Request
 from common.kv.block_pool import BlockPool, KVBlock
 
@@ -106,7 +106,7 @@ class KVCacheManager:
         the positions right (sinks copied and rotated on, a rebase); None when none."""
         stream = req.stream
         blocks = self._blocks.get(req.request_id)
-        if stream is None or not blocks:
+        if stream is None or stream.policy is None or not blocks:
             return None
         S = self.block_size
         num_sink = stream.num_sink_blocks
@@ -133,6 +133,20 @@ class KVCacheManager:
             ops.rotate([b.block_id for b in blocks], -delta)
             stream.position_base += delta
         return ops if ops else None
+
+    def compress(self, req: Request, keep: list[int]) -> None:
+        """SnapKV (compression.py): frees the request's blocks not in ``keep`` (ascending
+        indices into its block list, ending with its last block); published ones stay
+        prefix hits. From here the request publishes nothing."""
+        blocks = self._blocks[req.request_id]
+        assert keep and keep[-1] == len(blocks) - 1, (req.request_id, keep, len(blocks))
+        assert req.stream is None, f"{req.request_id} compresses after an eviction"
+        kept = set(keep)
+        victims = [b for i, b in enumerate(blocks) if i not in kept]
+        self._blocks[req.request_id] = [blocks[i] for i in keep]
+        self.pool.free(reversed(victims))
+        self._num_published[req.request_id] = 0  # what trim may keep counts kept blocks only
+        req.stream = StreamState(None, 0, num_evicted_blocks=len(victims))
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]

@@ -28,7 +28,8 @@ import torch
 from common.contract.model_spec import ModelSpec
 from common.engine.attention import AttentionBatch, LayerKV, select_backend
 from common.engine.attention.base import QUANTIZED_KV_DTYPES
-from common.engine.attention.torch_kv import new_kv_scales
+from common.engine.attention.torch_kv import gather_blocks, new_kv_scales
+from common.engine.compression import QueryTap, SnapState, block_scores
 from common.engine.config import EngineConfig, parse_memory_budget
 from common.engine.eviction import KvOps
 from common.engine.scheduler import ScheduledRequest
@@ -250,13 +251,22 @@ class ModelRunner:
         batch = _to_device(batch, self.device)
         metadata = self.backend.prepare(batch, S)
         dense = self._dense_rows(ordered)
-        with dense_rows(dense) if dense is not None else contextlib.nullcontext():
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
-                self.layer_kv,
-                metadata,
-            )
+        tap, tapped = self._query_tap(ordered)
+        if tap is not None:
+            self.model.set_query_tap(tap)
+        try:
+            with dense_rows(dense) if dense is not None else contextlib.nullcontext():
+                hidden = self.model(
+                    torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                    torch.tensor(positions, dtype=torch.long, device=self.device),
+                    self.layer_kv,
+                    metadata,
+                )
+        finally:
+            if tap is not None:
+                self.model.set_query_tap(None)
+        if tap is not None:
+            self._keep_queries(tap, tapped)
         self.num_forward_tokens += len(input_ids)
 
         sampling = [s for s in ordered if s.samples]
@@ -300,6 +310,52 @@ class ModelRunner:
             rotated = apply_rotary(picked.reshape(-1, shape[-2], shape[-1]), rows.expand(
                 math.prod(shape[:-2]), -1))  # fmt: skip
             keys.index_copy_(1, index, rotated.reshape(shape).to(keys.dtype))
+
+    def _query_tap(
+        self, ordered: list[ScheduledRequest]
+    ) -> tuple[QueryTap | None, list[tuple[SnapState, range]]]:
+        """SnapKV: the step's rows inside a compressing prompt's window (compression.py),
+        and for each such request its state and the positions of its rows."""
+        rows: list[int] = []
+        tapped: list[tuple[SnapState, range]] = []
+        offset = 0
+        for item in ordered:
+            snap, start = item.request.snap, item.request.num_computed_tokens
+            if snap is not None and not snap.done:
+                lo = max(start, snap.window_start)
+                hi = min(start + item.num_new_tokens, snap.prompt_len)
+                if lo < hi:
+                    rows.extend(range(offset + lo - start, offset + hi - start))
+                    tapped.append((snap, range(lo, hi)))
+            offset += item.num_new_tokens
+        if not rows:
+            return None, []
+        return QueryTap(torch.tensor(rows, dtype=torch.long, device=self.device)), tapped
+
+    @staticmethod
+    def _keep_queries(tap: QueryTap, tapped: list[tuple[SnapState, range]]) -> None:
+        first = 0
+        for snap, positions in tapped:
+            n = len(positions)
+            if not snap.queries:
+                snap.queries = [[] for _ in tap.per_layer]
+            for layer, q in zip(snap.queries, tap.per_layer, strict=True):
+                layer.append(q[first : first + n].cpu())
+            snap.positions.extend(positions)
+            first += n
+
+    @torch.inference_mode()
+    def snap_scores(self, block_ids: list[int], snap: SnapState) -> torch.Tensor:
+        """SnapKV: each of the request's prompt blocks' score from its captured window
+        queries against the prompt's keys in the cache (compression.block_scores)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        keys = []
+        for layer_kv in self.layer_kv:
+            blocks = gather_blocks(layer_kv.k_cache, layer_kv.k_scale, index, torch.float32)
+            keys.append(blocks.reshape(-1, *blocks.shape[2:])[: snap.prompt_len].cpu())
+        queries = [torch.cat(chunks) for chunks in snap.queries]
+        positions = torch.tensor(snap.positions, dtype=torch.long)
+        return block_scores(queries, positions, keys, self.block_size, self.spec.head_dim**-0.5)
 
     def _dense_rows(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
         """bool [T]: the step's rows that take quantized weights' dense path (module

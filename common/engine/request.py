@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.contract.sampling import SamplingParams
+from common.engine.compression import KvCompression, SnapState
 from common.engine.eviction import KvEviction, StreamState
 from common.engine.grammar import GrammarState
 from common.engine.speculative.policy import Acceptance
@@ -38,11 +39,13 @@ class KvImport:
     """Prompt KV arriving from another engine, in the wire layout (see common/kv/layout.py).
 
     ``data`` is ``[n, L, 2, S, Hkv, D]`` for the ``n = ceil(num_tokens / S)`` blocks that
-    cover the first ``num_tokens`` tokens of the request.
+    cover the first ``num_tokens`` tokens of the request, or for a SnapKV-compressed prompt
+    (compression.py) the blocks ``kept_blocks`` of those, in that order.
     """
 
     num_tokens: int
     data: torch.Tensor
+    kept_blocks: list[int] | None = None
 
 
 @dataclass
@@ -91,7 +94,11 @@ class Request:
         grammar: GrammarState | None = None,
         eviction: KvEviction | None = None,
         block_size: int = 16,
+        compression: KvCompression | None = None,
+        compress_at: int | None = None,
     ) -> None:
+        """``compression``: SnapKV once the first ``compress_at`` tokens (default: the
+        prompt) are computed; a ``kv_import`` with ``kept_blocks`` arrives compressed."""
         self.request_id = request_id
         self.sampling = sampling
         self.seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -143,12 +150,27 @@ class Request:
         self.eviction = eviction
         self.stream: StreamState | None = None
         self.block_size = block_size
+        # SnapKV (compression.py): the window's queries until the prompt is compressed.
+        self.snap: SnapState | None = None
+        if compression is not None:
+            self.snap = SnapState(compression, compress_at or self.num_prompt_tokens)
         self.reset_stream()
+        if kv_import is not None and kv_import.kept_blocks is not None:
+            num_blocks = -(-kv_import.num_tokens // block_size)
+            evicted = num_blocks - len(kv_import.kept_blocks)
+            self.stream = StreamState(None, 0, num_evicted_blocks=evicted)
+            if self.snap is not None:
+                self.snap.done = True  # its producer compressed it
+                self.snap.kept_blocks = list(kv_import.kept_blocks)
 
     def reset_stream(self) -> None:
-        """A fresh eviction state (at start, and when a preemption drops the KV)."""
+        """A fresh eviction state (at start, and when a preemption drops the KV: the tokens
+        are recomputed whole, and a SnapKV prompt compresses again)."""
+        self.stream = None
         if self.eviction is not None:
             self.stream = StreamState(self.eviction, self.eviction.sink_blocks(self.block_size))
+        if self.snap is not None:
+            self.snap.reset()
 
     @property
     def num_evicted_tokens(self) -> int:

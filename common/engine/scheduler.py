@@ -111,7 +111,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                          _chunk_cap(req, req.num_computed_tokens))  # fmt: skip
             draft: list[int] = []
             if self.propose is not None and req.num_tokens - req.num_computed_tokens == 1:
                 draft = self.propose(req, budget - 1) if budget > 1 else []
@@ -156,18 +157,21 @@ class Scheduler:
         assert req.num_computed_tokens == 0, f"{req.request_id} waits with computed tokens"
         if req.kv_import is not None:
             num_imported = req.kv_import.num_tokens
-            num_new = min(req.num_tokens - num_imported, budget, _chunk_cap(req))
+            num_new = min(req.num_tokens - num_imported, budget, _chunk_cap(req, num_imported))
             if not self.kv.allocate_slots(req, num_imported + num_new):
                 return None
-            block_ids = self.kv.block_ids(req)[: self.kv.blocks_for_tokens(num_imported)]
+            kept = num_imported - req.num_evicted_tokens  # a compressed import: fewer blocks
+            block_ids = self.kv.block_ids(req)[: self.kv.blocks_for_tokens(kept)]
             req.num_computed_tokens = num_imported
             req.status = RequestStatus.RUNNING
             return ScheduledRequest(req, num_new, import_block_ids=block_ids)
         # Prompt logprobs come from the logits of every prompt position: none may be skipped
         # (as vLLM, such a request recomputes its prefix; its blocks are still published).
         hits = [] if req.needs_prompt_logprobs else self.kv.computed_prefix(req)
+        if req.snap is not None and not req.snap.done:  # its window is computed here
+            hits = hits[: req.snap.window_start // self.kv.block_size]
         num_hit_tokens = len(hits) * self.kv.block_size
-        num_new = min(req.num_tokens - num_hit_tokens, budget, _chunk_cap(req))
+        num_new = min(req.num_tokens - num_hit_tokens, budget, _chunk_cap(req, num_hit_tokens))
         if not self.kv.allocate_slots(req, num_new, hits):
             return None
         req.num_computed_tokens = num_hit_tokens
@@ -191,7 +195,13 @@ class Scheduler:
         req.finish_reason = FinishReason.LENGTH
 
 
-def _chunk_cap(req: Request) -> int:
+def _chunk_cap(req: Request, start: int) -> int:
     """A stream computes at most a window per step (eviction.py), so what attention sees
-    and the positions it needs stay bounded however long its prompt."""
-    return req.eviction.window_tokens if req.eviction is not None else 1 << 62
+    and the positions it needs stay bounded however long its prompt; a chunk starting at
+    ``start`` ends where a SnapKV prompt compresses (compression.py), so the compression
+    comes before anything past it is computed."""
+    cap = req.eviction.window_tokens if req.eviction is not None else 1 << 62
+    snap = req.snap
+    if snap is not None and not snap.done and start < snap.prompt_len:
+        cap = min(cap, snap.prompt_len - start)
+    return cap

@@ -43,11 +43,12 @@ async def pull_kv(
     layout: KvLayout,
     timeout_s: float | None,
 ) -> PulledKv:
-    """Pulls every block under the handle's lease; raises our errors on failure.
+    """Pulls every block under the handle's lease (of a compressed prompt, the kept ones);
+    raises our errors on failure.
 
     Runs in a CLIENT span ``kv_transfer`` whose context travels to the producer.
     """
-    num_blocks = -(-handle.num_tokens // layout.block_size)
+    num_blocks = len(handle.kept_block_indices) or -(-handle.num_tokens // layout.block_size)
     with tracer().start_as_current_span("kv_transfer", kind=SpanKind.CLIENT) as span:
         span.set_attributes(
             {

@@ -21,11 +21,15 @@ from common.models.layers import RMSNorm, ShardedLinear, ShardedParams, silu_and
 from common.models.rope import cos_sin_table
 
 if TYPE_CHECKING:
+    from common.engine.compression import QueryTap
     from common.models.moe import ExpertLoadRecorder
     from common.models.quant.fused_decode import FusedDecoder
 
 
 class Attention(nn.Module):
+    # SnapKV (common/engine/compression.py): copies chosen rows' queries, while set.
+    query_tap: QueryTap | None = None
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
@@ -58,6 +62,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = backend.rotary(q, k, positions, cos_sin)
+        if self.query_tap is not None:
+            self.query_tap.record(q)
         out = backend.forward(q, k, v.contiguous(), kv, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
@@ -123,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
     expert_load: ExpertLoadRecorder | None = None
     # Decode-only steps in one C++ call (common/models/quant/fused_decode.py), when set.
     fused_decoder: FusedDecoder | None = None
+    query_tap: QueryTap | None = None
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -142,6 +149,14 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(self, index: int, dtype: torch.dtype) -> DecoderLayer:
         return DecoderLayer(self.spec, dtype)
 
+    def set_query_tap(self, tap: QueryTap | None) -> None:
+        """Every layer's queries go to ``tap`` (layer order) until it is set to None; while
+        set, decode-only steps take the Python path, whose queries it sees."""
+        self.query_tap = tap
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.query_tap = tap
+
     def init_buffers(self, device: torch.device) -> None:
         """Rebuilds what is not a weight on the real device (after ``to_empty``)."""
         table = cos_sin_table(self.spec.rope, self.spec.head_dim, self.spec.max_position_embeddings)
@@ -160,8 +175,9 @@ class LlamaForCausalLM(nn.Module):
         kv: Sequence[LayerKV],  # one per layer
         metadata: Any,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
-        if self.fused_decoder is not None and self.fused_decoder.applies(metadata):
-            return self.fused_decoder(input_ids, positions, metadata)
+        fused = self.fused_decoder
+        if fused is not None and self.query_tap is None and fused.applies(metadata):
+            return fused(input_ids, positions, metadata)
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, layer_kv in zip(self.layers, kv, strict=True):

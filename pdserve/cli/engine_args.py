@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.engine.compression import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS
 from common.engine.config import EngineConfig
 from common.engine.eviction import KV_EVICTIONS
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
@@ -102,6 +103,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "generate --local speculate, prefill workers ignore it (env PDSERVE_SPECULATIVE_CONFIG)",
     )
     add_eviction_args(group)
+    add_compression_args(group)
+
+
+def add_compression_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    group.add_argument(
+        "--kv-compression",
+        default=None,
+        choices=list(KV_COMPRESSIONS),
+        help="snapkv: once a prompt is computed, keep only the KV blocks its last "
+        "--snapkv-window-tokens attend to most (with the first block and the window's), at "
+        "most --snapkv-budget-tokens, so decode imports and reads fewer blocks (prefill "
+        "workers and --local runs; a request's sampling.kv_compression wins; default none)",
+    )
+    group.add_argument(
+        "--snapkv-budget-tokens", type=int, default=None, help="snapkv: KV kept per prompt (1024)"
+    )
+    group.add_argument(
+        "--snapkv-window-tokens", type=int, default=None,
+        help=f"snapkv: the observation window ({DEFAULT_SNAPKV_WINDOW})",
+    )  # fmt: skip
 
 
 def add_eviction_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -143,4 +164,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         kv_eviction=args.kv_eviction,
         sink_tokens=args.sink_tokens,
         window_tokens=args.window_tokens,
+        kv_compression=args.kv_compression,
+        snapkv_budget_tokens=args.snapkv_budget_tokens,
+        snapkv_window_tokens=args.snapkv_window_tokens,
     )

@@ -123,8 +123,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         message.prompt_logprobs.extend(
                             logprob_pb(lp) for lp in out.prompt_logprobs if lp is not None
                         )
-                    if not published:
-                        # The prompt's full blocks now sit in this worker's cache.
+                    if not published and (kv_import is None or kv_import.kept_blocks is None):
+                        # The prompt's full blocks now sit in this worker's cache (not those
+                        # a compressed prompt dropped).
                         runtime.in_background(
                             runtime.sync.publish_blocks(runtime.block_hashes(prompt, salt))
                         )
@@ -217,7 +218,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             PRODUCER, RECEIVED, pulled.num_bytes, pulled.num_blocks, pulled.elapsed_ms / 1000
         )
         transfer = _Transfer(PRODUCER, pulled.num_bytes, pulled.elapsed_ms)
-        return KvImport(handle.num_tokens, pulled.data), transfer
+        kept = list(handle.kept_block_indices) or None  # a compressed prompt's (SnapKV)
+        return KvImport(handle.num_tokens, pulled.data, kept), transfer
 
     async def _recover(
         self,

@@ -242,6 +242,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling.check_vocab(self.spec.vocab_size)
         if sampling.kv_eviction is not None:  # refused here, before any prefill
             sampling.kv_eviction.check(self.config.block_size, self.spec.max_position_embeddings)
+        if sampling.kv_compression is not None:
+            sampling.kv_compression.check(self.config.block_size)
+            if sampling.kv_eviction is not None:
+                raise InvalidRequestError(
+                    "sampling.kv_compression", "SnapKV does not combine with kv_eviction"
+                )
         if sampling.structured_output is not None:
             with tracer().start_as_current_span("compile_constraint"):
                 await self.constraints.check(sampling.structured_output)

@@ -139,8 +139,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             export = await runtime.loop.call(lambda e: e.export_kv(request_id))
             hashes = [int(h) for h in export.block_hashes]
+            kept = export.kept_blocks
+            # A compressed prompt's lease holds its kept blocks (the partial last one has
+            # no hash); the store takes the run of them that is still a dense prefix.
+            leased = hashes if kept is None else [hashes[i] for i in kept if i < len(hashes)]
+            stored = len(hashes) if kept is None else _dense_run(kept, len(hashes))
             lease = await runtime.leases.create(
-                request_id, export.num_tokens, hashes, export.data, lease_id
+                request_id, export.num_tokens, leased, export.data, lease_id
             )
         except BaseException:
             runtime.loop.submit(lambda e: e.release(request_id))
@@ -148,7 +153,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if lease is None:  # the caller released it before it existed: blocks already freed
             raise NotFoundError(f"lease {lease_id!r} was released by the caller; request dropped")
         runtime.in_background(runtime.sync.publish_blocks(hashes))
-        runtime.in_background(runtime.store.put(hashes, export.data))
+        if stored:
+            runtime.in_background(runtime.store.put(hashes[:stored], export.data[:stored]))
         return common_pb2.KvHandle(
             request_id=request_id,
             hash_scheme_version=HASH_SCHEME_VERSION,
@@ -160,6 +166,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             lease_expiry_unix_ms=lease.expiry_unix_ms,
             model=runtime.model,
             weight_format=runtime.engine.weight_identity or "",
+            kept_block_indices=kept or [],
         )
 
     @rpc_method
@@ -168,3 +175,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.GetStatusResponse:
         stats = await self.runtime.stats()
         return prefill_pb2.GetStatusResponse(status=self.runtime.status_pb(stats))
+
+
+def _dense_run(kept: list[int], num_full: int) -> int:
+    """How many of the kept blocks are the prompt's first full blocks, in order."""
+    run = 0
+    while run < len(kept) and kept[run] == run and run < num_full:
+        run += 1
+    return run

@@ -76,6 +76,12 @@ def streaming(**eviction: int) -> gateway_pb2.GenerateRequest:
     return request
 
 
+def compressed(**compression: int) -> gateway_pb2.GenerateRequest:
+    request = hello()
+    request.sampling.kv_compression.CopyFrom(common_pb2.KvCompression(**compression))
+    return request
+
+
 def with_id(request_id: str, max_tokens: int = 4) -> gateway_pb2.GenerateRequest:
     request = hello(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request.request_id = request_id
@@ -148,6 +154,16 @@ CASES = [
         "eviction_without_a_window",
         "sampling.kv_eviction.window_tokens",
         lambda i: streaming(sink_tokens=4),
+    ),
+    _invalid(
+        "snapkv_without_a_budget",
+        "sampling.kv_compression.budget_tokens",
+        lambda i: compressed(window_tokens=16),
+    ),
+    _invalid(
+        "snapkv_budget_with_no_room",
+        "sampling.kv_compression.budget_tokens",
+        lambda i: compressed(budget_tokens=40, window_tokens=16),
     ),
     _invalid("negative_temperature", "sampling.temperature", lambda i: hello(temperature=-0.5)),
     _invalid("nan_temperature", "sampling.temperature", lambda i: hello(temperature=math.nan)),

@@ -24,7 +24,8 @@ UP_ARGV = [
     "--max-num-seqs", "8", "--local-prefill-tokens", "32", "--lease-ttl-s", "11",
     "--quantization", "int4", "--quant-group-size", "64", "--quant-kernel", "torch",
     "--quant-act-bits", "8", "--kv-dtype", "int8", "--kv-eviction", "streaming", "--sink-tokens", "4",
-    "--window-tokens", "512",
+    "--window-tokens", "512", "--kv-compression", "snapkv", "--snapkv-budget-tokens", "640",
+    "--snapkv-window-tokens", "24",
 ]  # fmt: skip
 
 

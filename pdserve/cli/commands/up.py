@@ -18,6 +18,7 @@ from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
 from pdserve.cli.engine_args import (
     KV_DTYPE_CHOICES,
+    add_compression_args,
     add_eviction_args,
     speculative_config_arg,
 )
@@ -64,6 +65,7 @@ _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size", "kv_dtype",
     "quantization", "quant_group_size", "quant_kernel", "quant_act_bits",
+    "kv_compression", "snapkv_budget_tokens", "snapkv_window_tokens",
 )  # fmt: skip
 # Gateway flags forwarded as given.
 _GATEWAY_FLAGS = (
@@ -200,6 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="decode workers speculate (see pdserve decode --help)",
     )
     add_eviction_args(up.add_argument_group("StreamingLLM on decode workers (pdserve decode)"))
+    add_compression_args(up.add_argument_group("SnapKV on every engine worker"))
     up.add_argument(
         "--metrics-port",
         type=int,

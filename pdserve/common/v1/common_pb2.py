@@ -24,35 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/common/v1/common.proto\x12\x11pdserve.common.v1\"\xcc\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x10 \x01(\x08\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12>\n\x11structured_output\x18\x12 \x01(\x0b\x32#.pdserve.common.v1.StructuredOutput\x12\x32\n\x0bkv_eviction\x18\x13 \x01(\x0b\x32\x1d.pdserve.common.v1.KvEvictionB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"8\n\nKvEviction\x12\x13\n\x0bsink_tokens\x18\x01 \x01(\r\x12\x15\n\rwindow_tokens\x18\x02 \x01(\r\"r\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x0c\n\nconstraint\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.pdserve.common.v1.TopLogprob\"\xbb\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12)\n\x05\x64type\x18\x05 \x01(\x0e\x32\x1a.pdserve.common.v1.KvDtype\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\x1b\n\x13scales_offset_bytes\x18\x07 \x01(\x04\"\x82\x02\n\x08KvHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13hash_scheme_version\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.pdserve.common.v1.KvLayout\x12\x18\n\x10producer_address\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\x08 \x01(\x03\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\rweight_format\x18\n \x01(\t\"\xcb\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\x04role\x18\x02 \x01(\x0e\x32\x1d.pdserve.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\x04\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x07 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x08 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x0b\n\x03pid\x18\n \x01(\r\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x15\n\rweight_format\x18\x0c \x01(\t\x12\x11\n\tendpoints\x18\r \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x90\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x11\n\rKV_DTYPE_INT8\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05*\x90\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x1b\n\x17WORKER_ROLE_BLOCK_STORE\x10\x03\x12\x17\n\x13WORKER_ROLE_GATEWAY\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/common/v1/common.proto\x12\x11pdserve.common.v1\"\x86\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x10 \x01(\x08\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12>\n\x11structured_output\x18\x12 \x01(\x0b\x32#.pdserve.common.v1.StructuredOutput\x12\x32\n\x0bkv_eviction\x18\x13 \x01(\x0b\x32\x1d.pdserve.common.v1.KvEviction\x12\x38\n\x0ekv_compression\x18\x14 \x01(\x0b\x32 .pdserve.common.v1.KvCompressionB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"8\n\nKvEviction\x12\x13\n\x0bsink_tokens\x18\x01 \x01(\r\x12\x15\n\rwindow_tokens\x18\x02 \x01(\r\"=\n\rKvCompression\x12\x15\n\rbudget_tokens\x18\x01 \x01(\r\x12\x15\n\rwindow_tokens\x18\x02 \x01(\r\"r\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x0c\n\nconstraint\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1d.pdserve.common.v1.TopLogprob\"\xbb\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12)\n\x05\x64type\x18\x05 \x01(\x0e\x32\x1a.pdserve.common.v1.KvDtype\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\x1b\n\x13scales_offset_bytes\x18\x07 \x01(\x04\"\x9e\x02\n\x08KvHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13hash_scheme_version\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.pdserve.common.v1.KvLayout\x12\x18\n\x10producer_address\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x1c\n\x14lease_expiry_unix_ms\x18\x08 \x01(\x03\x12\r\n\x05model\x18\t \x01(\t\x12\x15\n\rweight_format\x18\n \x01(\t\x12\x1a\n\x12kept_block_indices\x18\x0b \x03(\r\"\xcb\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\x04role\x18\x02 \x01(\x0e\x32\x1d.pdserve.common.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\x04\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x07 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x08 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x0b\n\x03pid\x18\n \x01(\r\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x15\n\rweight_format\x18\x0c \x01(\t\x12\x11\n\tendpoints\x18\r \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x90\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x11\n\rKV_DTYPE_INT8\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05*\x90\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x1b\n\x17WORKER_ROLE_BLOCK_STORE\x10\x03\x12\x17\n\x13WORKER_ROLE_GATEWAY\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1839
-  _globals['_FINISHREASON']._serialized_end=1984
-  _globals['_KVDTYPE']._serialized_start=1987
-  _globals['_KVDTYPE']._serialized_end=2131
-  _globals['_WORKERROLE']._serialized_start=2134
-  _globals['_WORKERROLE']._serialized_end=2278
+  _globals['_FINISHREASON']._serialized_start=1988
+  _globals['_FINISHREASON']._serialized_end=2133
+  _globals['_KVDTYPE']._serialized_start=2136
+  _globals['_KVDTYPE']._serialized_end=2280
+  _globals['_WORKERROLE']._serialized_start=2283
+  _globals['_WORKERROLE']._serialized_end=2427
   _globals['_SAMPLINGPARAMS']._serialized_start=54
-  _globals['_SAMPLINGPARAMS']._serialized_end=642
-  _globals['_KVEVICTION']._serialized_start=644
-  _globals['_KVEVICTION']._serialized_end=700
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=702
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=816
-  _globals['_USAGE']._serialized_start=818
-  _globals['_USAGE']._serialized_end=898
-  _globals['_TOPLOGPROB']._serialized_start=900
-  _globals['_TOPLOGPROB']._serialized_end=947
-  _globals['_TOKENLOGPROB']._serialized_start=949
-  _globals['_TOKENLOGPROB']._serialized_end=1051
-  _globals['_KVLAYOUT']._serialized_start=1054
-  _globals['_KVLAYOUT']._serialized_end=1241
-  _globals['_KVHANDLE']._serialized_start=1244
-  _globals['_KVHANDLE']._serialized_end=1502
-  _globals['_WORKERSTATUS']._serialized_start=1505
-  _globals['_WORKERSTATUS']._serialized_end=1836
+  _globals['_SAMPLINGPARAMS']._serialized_end=700
+  _globals['_KVEVICTION']._serialized_start=702
+  _globals['_KVEVICTION']._serialized_end=758
+  _globals['_KVCOMPRESSION']._serialized_start=760
+  _globals['_KVCOMPRESSION']._serialized_end=821
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=823
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=937
+  _globals['_USAGE']._serialized_start=939
+  _globals['_USAGE']._serialized_end=1019
+  _globals['_TOPLOGPROB']._serialized_start=1021
+  _globals['_TOPLOGPROB']._serialized_end=1068
+  _globals['_TOKENLOGPROB']._serialized_start=1070
+  _globals['_TOKENLOGPROB']._serialized_end=1172
+  _globals['_KVLAYOUT']._serialized_start=1175
+  _globals['_KVLAYOUT']._serialized_end=1362
+  _globals['_KVHANDLE']._serialized_start=1365
+  _globals['_KVHANDLE']._serialized_end=1651
+  _globals['_WORKERSTATUS']._serialized_start=1654
+  _globals['_WORKERSTATUS']._serialized_end=1985
 # @@protoc_insertion_point(module_scope)

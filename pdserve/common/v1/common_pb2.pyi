@@ -49,7 +49,7 @@ WORKER_ROLE_BLOCK_STORE: WorkerRole
 WORKER_ROLE_GATEWAY: WorkerRole
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "disable_speculation", "min_tokens", "structured_output", "kv_eviction")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "disable_speculation", "min_tokens", "structured_output", "kv_eviction", "kv_compression")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     KV_EVICTION_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -88,7 +89,8 @@ class SamplingParams(_message.Message):
     min_tokens: int
     structured_output: StructuredOutput
     kv_eviction: KvEviction
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., kv_eviction: _Optional[_Union[KvEviction, _Mapping]] = ...) -> None: ...
+    kv_compression: KvCompression
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., kv_eviction: _Optional[_Union[KvEviction, _Mapping]] = ..., kv_compression: _Optional[_Union[KvCompression, _Mapping]] = ...) -> None: ...
 
 class KvEviction(_message.Message):
     __slots__ = ("sink_tokens", "window_tokens")
@@ -97,6 +99,14 @@ class KvEviction(_message.Message):
     sink_tokens: int
     window_tokens: int
     def __init__(self, sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+
+class KvCompression(_message.Message):
+    __slots__ = ("budget_tokens", "window_tokens")
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    budget_tokens: int
+    window_tokens: int
+    def __init__(self, budget_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar")
@@ -157,7 +167,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., bytes_per_block: _Optional[int] = ..., scales_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("request_id", "hash_scheme_version", "block_hashes", "num_tokens", "layout", "producer_address", "lease_id", "lease_expiry_unix_ms", "model", "weight_format")
+    __slots__ = ("request_id", "hash_scheme_version", "block_hashes", "num_tokens", "layout", "producer_address", "lease_id", "lease_expiry_unix_ms", "model", "weight_format", "kept_block_indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HASH_SCHEME_VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +178,7 @@ class KvHandle(_message.Message):
     LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hash_scheme_version: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -178,7 +189,8 @@ class KvHandle(_message.Message):
     lease_expiry_unix_ms: int
     model: str
     weight_format: str
-    def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
+    kept_block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., weight_format: _Optional[str] = ..., kept_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining", "weight_format", "endpoints")
