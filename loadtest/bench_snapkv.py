@@ -1,10 +1,17 @@
 """SnapKV's cost and saving on the default model (SmolLM2, the shipped GGUF), in one process.
 
-Each document is ``--context`` tokens of real English (CPython's ``pydoc_data.topics``)
-followed by ``--continuation`` tokens. Every arm computes the context, compresses it (or
-not), and then scores the continuation against what it kept, token by token (the engine's
-own chunked prefill with prompt logprobs; ``add_request(compress_at=...)`` compresses
-after the context). Against the dense arm (every block kept) it reports:
+Two tasks on real English (CPython's ``pydoc_data.topics``), each a ``--context`` of tokens
+and a ``--continuation`` to score:
+
+- ``continue``: the text goes on (language modelling; the recent text matters most);
+- ``recall``: the context ends with the first ``--window-tokens`` of a passage from a
+  quarter of the way in, and the continuation is the rest of that passage (a question
+  about the document at the end of a prompt: what it needs lies far back).
+
+Every arm computes the context, compresses it (or not), and then scores the continuation
+against what it kept, token by token (the engine's own chunked prefill with prompt
+logprobs; ``add_request(compress_at=...)`` compresses after the context). Against the
+dense arm (every block kept) it reports:
 
 - the continuation's perplexity and its ratio to dense;
 - mean KL(dense || arm) of the next-token distributions and top-1 agreement with dense;
@@ -83,7 +90,6 @@ def decode_tpot(engine: Any, ids: list[int], policy: Any, tokens: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import common.engine.engine as engine_module
     from common.engine.compression import KvCompression
     from common.engine.config import EngineConfig
     from common.engine.llm import LLM
@@ -93,10 +99,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           enable_prefix_caching=False)  # fmt: skip
     llm = LLM(config)
     engine = llm.engine
-    S = engine.block_size
     total = args.context + args.continuation
-    docs = [llm.encode(d)[:total] for d in documents(args.docs, int(total * 1.15))]
-    assert all(len(d) == total for d in docs), "a document came out short"
+    texts = [llm.encode(d)[:total] for d in documents(args.docs, int(total * 1.15))]
+    assert all(len(d) == total for d in texts), "a document came out short"
+    summary: dict[str, Any] = {"tasks": {}}
+    for task in args.tasks:
+        docs = texts if task == "continue" else [recall(t, args) for t in texts]
+        summary["tasks"][task] = one_task(engine, docs, task, args)
+    with OtherWork() as meter:
+        ids = texts[0][: args.context]
+        budget = args.budgets[0]
+        tpot = {"dense": decode_tpot(engine, ids, None, args.decode_tokens),
+                f"snapkv@{budget}": decode_tpot(engine, ids, KvCompression(budget,
+                                                args.window_tokens), args.decode_tokens)}  # fmt: skip
+    log(f"decode TPOT p50 after {args.context} tokens, {args.decode_tokens} tokens each:"
+        f"{noise_note(meter.fraction)}")  # fmt: skip
+    for key, ms in tpot.items():
+        log(f"  {key:<14} {ms:7.2f} ms ({tpot['dense'] / ms:.2f}x dense)")
+    summary["tpot_ms"] = tpot
+    if args.json:
+        print(json.dumps(summary))
+    return summary
+
+
+def recall(ids: list[int], args: argparse.Namespace) -> list[int]:
+    """The context's text, ending with the start of a passage from a quarter of the way in;
+    the continuation is the rest of that passage."""
+    cue = args.window_tokens
+    start = args.context // 4
+    passage = ids[start : start + cue + args.continuation]
+    return ids[: args.context - cue] + passage
+
+
+def one_task(engine: Any, docs: list[list[int]], task: str, args: argparse.Namespace) -> Any:
+    import common.engine.engine as engine_module
+    from common.engine.compression import KvCompression
+
+    S = engine.block_size
     snapkv_select = engine_module.select_blocks
     arms: list[tuple[str, int | None]] = [("dense", None)]
     for budget in args.budgets:
@@ -130,33 +169,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "top1_agreement": agree / count if budget else 1.0,
                             "kept_blocks": kept, "context_blocks": num_blocks}  # fmt: skip
     dense_ppl = results["dense"]["perplexity"]
-    log(f"{args.docs} documents of {args.context} tokens + {args.continuation} scored; window "
-        f"{args.window_tokens}:{noise_note(meter.fraction)}")  # fmt: skip
+    log(f"task {task}: {len(docs)} documents, {args.context} tokens of context + "
+        f"{args.continuation} scored; window {args.window_tokens}:{noise_note(meter.fraction)}")  # fmt: skip
     log(f"{'arm':<14} {'blocks kept':>12} {'ppl':>8} {'/dense':>7} {'KL':>9} {'top-1':>7}")
     for key, r in results.items():
         log(f"{key:<14} {r['kept_blocks']:>5} / {r['context_blocks']:<4} {r['perplexity']:8.3f} "
             f"{r['perplexity'] / dense_ppl:7.3f} {r['kl_divergence']:9.5f} "
             f"{r['top1_agreement']:7.3f}")  # fmt: skip
-    with OtherWork() as meter:
-        ids = docs[0][: args.context]
-        budget = args.budgets[0]
-        tpot = {"dense": decode_tpot(engine, ids, None, args.decode_tokens),
-                f"snapkv@{budget}": decode_tpot(engine, ids, KvCompression(budget,
-                                                args.window_tokens), args.decode_tokens)}  # fmt: skip
-    log(f"decode TPOT p50 after {args.context} tokens, {args.decode_tokens} tokens each:"
-        f"{noise_note(meter.fraction)}")  # fmt: skip
-    for key, ms in tpot.items():
-        log(f"  {key:<14} {ms:7.2f} ms ({tpot['dense'] / ms:.2f}x dense)")
-    summary = {"arms": results, "tpot_ms": tpot}
-    if args.json:
-        print(json.dumps(summary))
-    return summary
+    return results
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=["continue", "recall"])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--continuation", type=int, default=256)
     parser.add_argument("--budgets", type=lambda s: [int(b) for b in s.split(",")],

@@ -249,3 +249,31 @@ def test_the_window_is_computed_whole_past_a_prefix_hit_or_an_import(two_layers:
     for scores in seen[1:]:
         torch.testing.assert_close(scores, seen[0], atol=1e-5, rtol=1e-4)
     assert cold == hit == imported
+
+
+def test_a_preempted_compressed_request_recomputes_and_compresses_again(
+    two_layers: Path,
+) -> None:
+    policy = KvCompression(budget_tokens=5 * S, window_tokens=S)
+    (prompt,) = random_prompts(384, [170], seed=6)
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = run_to_completion(tiny_engine(two_layers), {"a": prompt}, sampling,
+                                 compression=policy)["a"]  # fmt: skip
+    engine = tiny_engine(two_layers, num_kv_blocks=48)
+    req = engine.add_request("a", prompt, sampling, compression=policy)
+    out: list[int] = []
+    while len(out) < 12:
+        for o in engine.step():
+            out += o.new_token_ids
+    assert req.snap is not None and req.snap.kept_blocks is not None
+    kept = list(req.snap.kept_blocks)
+    engine.scheduler.running.remove(req)
+    engine.scheduler._preempt(req)  # its blocks are gone: prompt and output recomputed
+    assert req.stream is None and not req.snap.done
+    assert engine.kv.pool.num_free == 48
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    assert req.snap.kept_blocks == kept
+    assert out == expected
+    assert engine.num_compressed == 2
