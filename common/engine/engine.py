@@ -108,6 +108,10 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_pending_tokens: int = 0  # tokens still to compute, queued or running
+    # SnapKV (compression.py): prompts compressed, and their blocks kept and dropped.
+    num_compressed: int = 0
+    num_compressed_kept_blocks: int = 0
+    num_compressed_dropped_blocks: int = 0
 
 
 class Engine:
@@ -628,4 +632,7 @@ class Engine:
             prefix_cache_hit_rate=self.kv.prefix_hit_rate,
             num_preemptions=self.num_preemptions,
             num_pending_tokens=self.scheduler.pending_tokens,
+            num_compressed=self.num_compressed,
+            num_compressed_kept_blocks=self.num_compressed_kept_blocks,
+            num_compressed_dropped_blocks=self.num_compressed_dropped_blocks,
         )

@@ -88,6 +88,9 @@ def test_the_decode_worker_pulls_the_kept_blocks_and_decodes_as_the_engine(
 ) -> None:
     lengths = [len(llm.encode(p)) for p in PROMPTS]
     assert all(n > 2 * BUDGET for n in lengths), lengths
+    prefill_url = snap_stack.children()["prefill-0"].metrics_url
+    assert prefill_url
+    before = scrape(prefill_url)
     remote: list[RemoteCompletion] = []
     blocks, num_bytes = _pulled(
         snap_stack, lambda: remote.extend(_complete(snap_stack, PROMPTS, GREEDY, "snap"))
@@ -98,6 +101,17 @@ def test_the_decode_worker_pulls_the_kept_blocks_and_decodes_as_the_engine(
     # Each prompt moved its 16 kept blocks, not its ~38.
     assert blocks == len(PROMPTS) * BUDGET // 16
     assert num_bytes == blocks * layout_of(llm.engine).bytes_per_block
+    # The prefill worker counts what it kept and dropped.
+    after = scrape(prefill_url)
+
+    def counted(name: str) -> float:
+        return after.sum(f"pdserve:snapkv_{name}_total") - before.sum(
+            f"pdserve:snapkv_{name}_total"
+        )
+
+    assert counted("prompts_compressed") == len(PROMPTS)
+    assert counted("blocks_kept") == blocks
+    assert counted("blocks_dropped") == sum(-(-n // 16) for n in lengths) - blocks
 
 
 def test_a_requests_own_budget_wins_and_a_bad_one_is_refused(snap_stack: Stack, llm: LLM) -> None:
