@@ -45,7 +45,7 @@ from loadtest.bench_disk_tier import documents
 from loadtest.bench_llamacpp import OtherWork, log, noise_note
 
 
-def recent_blocks(attention: torch.Tensor, policy: Any, prompt_len: int, block_size: int) -> Any:
+def recent_blocks(scores: torch.Tensor, policy: Any, prompt_len: int, block_size: int) -> Any:
     """The baseline selection: block 0 and the latest blocks, as many as SnapKV keeps."""
     num_blocks = -(-prompt_len // block_size)
     budget = policy.budget_blocks(block_size)

@@ -1,13 +1,11 @@
 """SnapKV prompt compression (Li et al., 2024) at KV-block granularity.
 
 What is kept. Once a request's prompt is computed, the prompt's last ``window_tokens`` (the
-observation window) have attended to every earlier token. The request keeps at most
-``budget_tokens`` of KV, in whole blocks: always the first block (its attention sinks) and
-the blocks the window lies in, then the best-scored of the rest; the others are freed. A
-prompt within the budget keeps everything. A block's score is the window's attention to it,
-per layer and head, among the blocks left to choose (renormalized per head, so the heads
-that look far back count as much as those that look at the sink and the recent tokens),
-averaged over layers and heads (block_scores).
+observation window) have attended to every earlier token. Their attention weights, summed
+over the window's queries and every head, and averaged over layers, score each block of the
+prompt. The request keeps at most ``budget_tokens`` of KV, in whole blocks: always the first
+block (its attention sinks) and the blocks the window lies in, then the best-scored of the
+rest; the others are freed. A prompt within the budget keeps everything.
 
 Why blocks, not tokens. SnapKV keeps its own token set per layer and head. The paged cache
 holds every layer and head of a token span in one block, and a block is what is freed, moved
@@ -46,8 +44,6 @@ __all__ = [
     "QueryTap",
     "SnapState",
     "block_scores",
-    "fixed_blocks",
-    "head_block_attention",
     "select_blocks",
 ]
 
@@ -84,67 +80,45 @@ class QueryTap:
         self.per_layer.append(q.index_select(0, self.rows).float())
 
 
-def head_block_attention(
+def block_scores(
     queries: list[torch.Tensor],  # per layer [W, Hq, D] float32
     query_positions: torch.Tensor,  # [W] int64
     keys: list[torch.Tensor],  # per layer [P, Hkv, D] (P = prompt tokens)
     block_size: int,
     scale: float,
-) -> torch.Tensor:  # [L, Hq, ceil(P / S)] float32
-    """Each layer's and head's window attention per block: the softmax over keys (causal:
-    a query sees keys up to its position), averaged over the window's queries and summed
-    per block (each row sums to one)."""
+) -> torch.Tensor:  # [ceil(P / S)] float32
+    """Each block's share of the window's attention, averaged over layers: per layer the
+    softmax over keys (causal: a query sees keys up to its position) summed over queries
+    and heads, divided by their count, summed per block."""
     num_tokens = keys[0].shape[0]
     num_blocks = -(-num_tokens // block_size)
-    masked = torch.arange(num_tokens)[None, :] > query_positions[:, None]  # [W, P]
-    out = []
+    total = torch.zeros(num_blocks * block_size, dtype=torch.float32)
+    key_positions = torch.arange(num_tokens)
+    masked = key_positions[None, :] > query_positions[:, None]  # [W, P]
     for q, k in zip(queries, keys, strict=True):
         W, Hq, D = q.shape
         Hkv = k.shape[1]
         group = q.view(W, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)  # [Hkv, G, W, D]
         logits = torch.matmul(group, k.float().permute(1, 2, 0)[:, None]) * scale  # [Hkv,G,W,P]
         logits.masked_fill_(masked, float("-inf"))
-        per_token = torch.softmax(logits, dim=-1).mean(dim=2).reshape(Hq, num_tokens)
-        padded = torch.zeros(Hq, num_blocks * block_size)
-        padded[:, :num_tokens] = per_token
-        out.append(padded.view(Hq, num_blocks, block_size).sum(dim=2))
-    return torch.stack(out)
-
-
-def block_scores(attention: torch.Tensor, fixed: list[int]) -> torch.Tensor:  # [nb]
-    """What the blocks left to choose are worth: each head's attention over them (the
-    ``fixed`` blocks, kept anyway, left out) renormalized to one, averaged over layers and
-    heads. Most heads put nearly all their weight on the sink and the recent tokens; without
-    renormalizing, the few heads that look far back (the ones that retrieve) would barely
-    move the sum."""
-    mass = attention.flatten(0, -2).clone()  # [L * Hq, nb]
-    mass[:, fixed] = 0.0
-    mass /= mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
-    return mass.mean(dim=0)
-
-
-def fixed_blocks(policy: KvCompression, prompt_len: int, block_size: int) -> list[int]:
-    """The blocks always kept: the first and those the window lies in."""
-    num_blocks = -(-prompt_len // block_size)
-    first_window = max(0, prompt_len - policy.window_tokens) // block_size
-    return sorted({0, *range(first_window, num_blocks)})
+        weights = torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2)) / (W * Hq)  # [P]
+        total[:num_tokens] += weights
+    return total.view(num_blocks, block_size).sum(dim=1) / len(queries)
 
 
 def select_blocks(
-    attention: torch.Tensor, policy: KvCompression, prompt_len: int, block_size: int
+    scores: torch.Tensor, policy: KvCompression, prompt_len: int, block_size: int
 ) -> list[int] | None:
-    """The prompt blocks to keep, ascending: the fixed ones, then the best scored
-    (block_scores; ties: the earlier block) up to the budget; None when all fit.
-    ``attention``: head_block_attention's [L, Hq, nb]."""
+    """The prompt blocks to keep, ascending: the first, those the window lies in, then the
+    best scored (ties: the earlier block) up to the budget; None when all fit."""
     num_blocks = -(-prompt_len // block_size)
     budget = policy.budget_blocks(block_size)
     if num_blocks <= budget:
         return None
-    fixed = fixed_blocks(policy, prompt_len, block_size)
-    keep = set(fixed)
+    first_window = max(0, prompt_len - policy.window_tokens) // block_size
+    keep = {0, *range(first_window, num_blocks)}
     if len(keep) >= budget:  # the check (KvCompression.check) leaves room; short budgets
-        return fixed
-    scores = block_scores(attention, fixed)
+        return sorted(keep)
     candidates = [b for b in range(num_blocks) if b not in keep]
     ranked = sorted(candidates, key=lambda b: (-float(scores[b]), b))
     keep.update(ranked[: budget - len(keep)])

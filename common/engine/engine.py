@@ -469,8 +469,8 @@ class Engine:
         window's queries, the rest freed (compression.py)."""
         num_blocks = -(-snap.prompt_len // self.block_size)
         block_ids = self.kv.block_ids(req)[:num_blocks]
-        attention = self.runner.snap_attention(block_ids, snap)
-        keep = select_blocks(attention, snap.policy, snap.prompt_len, self.block_size)
+        scores = self.runner.snap_scores(block_ids, snap)
+        keep = select_blocks(scores, snap.policy, snap.prompt_len, self.block_size)
         snap.done, snap.queries = True, []
         if keep is None:
             return

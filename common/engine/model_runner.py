@@ -29,7 +29,7 @@ from common.contract.model_spec import ModelSpec
 from common.engine.attention import AttentionBatch, LayerKV, select_backend
 from common.engine.attention.base import QUANTIZED_KV_DTYPES
 from common.engine.attention.torch_kv import gather_blocks, new_kv_scales
-from common.engine.compression import QueryTap, SnapState, head_block_attention
+from common.engine.compression import QueryTap, SnapState, block_scores
 from common.engine.config import EngineConfig, parse_memory_budget
 from common.engine.eviction import KvOps
 from common.engine.scheduler import ScheduledRequest
@@ -345,10 +345,9 @@ class ModelRunner:
             first += n
 
     @torch.inference_mode()
-    def snap_attention(self, block_ids: list[int], snap: SnapState) -> torch.Tensor:
-        """SnapKV: each layer's and head's window attention to each of the request's prompt
-        blocks, from its captured queries against the prompt's keys in the cache
-        (compression.head_block_attention), [L, Hq, nb]."""
+    def snap_scores(self, block_ids: list[int], snap: SnapState) -> torch.Tensor:
+        """SnapKV: each of the request's prompt blocks' score from its captured window
+        queries against the prompt's keys in the cache (compression.block_scores)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         keys = []
         for layer_kv in self.layer_kv:
@@ -356,9 +355,7 @@ class ModelRunner:
             keys.append(blocks.reshape(-1, *blocks.shape[2:])[: snap.prompt_len].cpu())
         queries = [torch.cat(chunks) for chunks in snap.queries]
         positions = torch.tensor(snap.positions, dtype=torch.long)
-        return head_block_attention(
-            queries, positions, keys, self.block_size, self.spec.head_dim**-0.5
-        )
+        return block_scores(queries, positions, keys, self.block_size, self.spec.head_dim**-0.5)
 
     def _dense_rows(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
         """bool [T]: the step's rows that take quantized weights' dense path (module
