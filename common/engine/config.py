@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.engine.compression import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS, KvCompression
+from common.contract.eviction import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS, KvCompression
 from common.engine.eviction import KV_EVICTIONS, KvEviction
 from common.engine.speculative.config import SpeculativeConfig
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS

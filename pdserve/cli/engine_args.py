@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.engine.compression import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS
+from common.contract.eviction import DEFAULT_SNAPKV_WINDOW, KV_COMPRESSIONS
 from common.engine.config import EngineConfig
 from common.engine.eviction import KV_EVICTIONS
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
