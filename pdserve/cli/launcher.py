@@ -26,10 +26,20 @@ def run_dir() -> Path:
     return Path(os.environ.get("PDSERVE_RUN_DIR") or cache_dir() / "run")
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now, never one this process was handed before: the OS may give a port
+    it just handed out again, and pdserve up picks several before any is bound (two of its
+    processes were once given the same one)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 @dataclass

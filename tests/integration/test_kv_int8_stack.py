@@ -50,15 +50,20 @@ def llm(smollm_dir: Path) -> LLM:
     return LLM(EngineConfig(model=str(smollm_dir), kv_dtype="int8", num_kv_blocks=64))
 
 
-def _complete(stack: Stack, prompts: list[str]) -> list[RemoteCompletion]:
+def complete_in_order(
+    stack: Stack, prompts: list[str], sampling: SamplingParams = GREEDY, salt: str = "int8"
+) -> list[RemoteCompletion]:
+    """Streams the prompts through the stack's gateway one after another, each under the
+    cache salt ``{salt}-{i}``."""
+
     async def run() -> list[RemoteCompletion]:
         client = GatewayClient(stack.target)
         results = []
         try:
             for i, prompt in enumerate(prompts):
                 result = RemoteCompletion()
-                async for message in client.stream(prompt=prompt, sampling=GREEDY,
-                                                   cache_salt=f"int8-{i}"):  # fmt: skip
+                async for message in client.stream(prompt=prompt, sampling=sampling,
+                                                   cache_salt=f"{salt}-{i}"):  # fmt: skip
                     collect(result, message)
                 results.append(result)
         finally:
@@ -75,7 +80,7 @@ def test_int8_kv_through_the_stack_equals_the_engine_and_moves_a_quarter(
     decode_url = stack.children()["decode-0"].metrics_url
     assert decode_url
     before = scrape(decode_url)
-    remote = _complete(stack, PROMPTS)
+    remote = complete_in_order(stack, PROMPTS)
     local = llm.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in remote] == [c.token_ids for c in local]
 
@@ -98,7 +103,7 @@ def test_the_block_store_and_its_disk_keep_the_codes_and_their_scales(
 ) -> None:
     stack = int8_stack
     prompt = prompt_with_context(10, 7)
-    _complete(stack, [prompt])
+    complete_in_order(stack, [prompt])
     ids = llm.encode(prompt)
     layout = layout_of(llm.engine)
     hashes = hash_prompt_blocks(ids, layout.block_size, "int8-0",

@@ -7,7 +7,6 @@ INVALID_ARGUMENT at the gateway."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +18,9 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
 from common.telemetry.metrics import scrape
-from pdserve.client import GatewayClient, RemoteCompletion, collect
+from pdserve.client import RemoteCompletion
 from tests.integration.conftest import Stack, up_stack
-from tests.integration.test_kv_int8_stack import layout_of
+from tests.integration.test_kv_int8_stack import complete_in_order, layout_of
 from tests.prompts import prompt_with_context
 
 pytestmark = pytest.mark.slow
@@ -45,26 +44,6 @@ def snap_stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def llm(smollm_dir: Path) -> LLM:
     return LLM(EngineConfig(model=str(smollm_dir), kv_compression="snapkv",
                             snapkv_budget_tokens=BUDGET, num_kv_blocks=128))  # fmt: skip
-
-
-def _complete(
-    stack: Stack, prompts: list[str], sampling: SamplingParams, salt: str
-) -> list[RemoteCompletion]:
-    async def run() -> list[RemoteCompletion]:
-        client = GatewayClient(stack.target)
-        results = []
-        try:
-            for i, prompt in enumerate(prompts):
-                result = RemoteCompletion()
-                async for message in client.stream(prompt=prompt, sampling=sampling,
-                                                   cache_salt=f"{salt}-{i}"):  # fmt: skip
-                    collect(result, message)
-                results.append(result)
-        finally:
-            await client.close()
-        return results
-
-    return asyncio.run(run())
 
 
 def _pulled(stack: Stack, run: object) -> tuple[float, float]:
@@ -93,7 +72,7 @@ def test_the_decode_worker_pulls_the_kept_blocks_and_decodes_as_the_engine(
     before = scrape(prefill_url)
     remote: list[RemoteCompletion] = []
     blocks, num_bytes = _pulled(
-        snap_stack, lambda: remote.extend(_complete(snap_stack, PROMPTS, GREEDY, "snap"))
+        snap_stack, lambda: remote.extend(complete_in_order(snap_stack, PROMPTS, GREEDY, "snap"))
     )
     local = llm.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in remote] == [c.token_ids for c in local]
@@ -119,7 +98,8 @@ def test_a_requests_own_budget_wins_and_a_bad_one_is_refused(snap_stack: Stack, 
     sampling = SamplingParams(max_tokens=24, ignore_eos=True, kv_compression=mine)
     remote: list[RemoteCompletion] = []
     blocks, _ = _pulled(
-        snap_stack, lambda: remote.extend(_complete(snap_stack, PROMPTS[:1], sampling, "own"))
+        snap_stack,
+        lambda: remote.extend(complete_in_order(snap_stack, PROMPTS[:1], sampling, "own")),
     )
     (local,) = llm.generate(PROMPTS[:1], sampling)
     assert remote[0].token_ids == local.token_ids
@@ -127,6 +107,6 @@ def test_a_requests_own_budget_wins_and_a_bad_one_is_refused(snap_stack: Stack, 
 
     bad = SamplingParams(max_tokens=4, kv_compression=KvCompression(budget_tokens=32))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        _complete(snap_stack, PROMPTS[:1], bad, "bad")
+        complete_in_order(snap_stack, PROMPTS[:1], bad, "bad")
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.kv_compression.budget_tokens" in (caught.value.details() or "")

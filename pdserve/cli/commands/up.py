@@ -270,12 +270,8 @@ def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
     """The metrics port of each process in start order (all 0 when off). With a base port
     the gateway, started last, takes the base and the others the ports after it."""
     if args.metrics_port is None:
-        given: set[int] = set()
         while True:
-            port = free_port()  # the OS may hand a port it just gave back out again
-            if port not in given:
-                given.add(port)
-                yield port
+            yield free_port()
     if args.metrics_port == 0:
         while True:
             yield 0
