@@ -8,8 +8,10 @@ container image run that) into ``$PDSERVE_KERNELS_DIR`` (default
 no compiler and may run from a read-only directory.
 
 Target: x86-64-v3 (AVX2, FMA, F16C, the level every x86 server of the last decade has) when
-the CPU has it, else baseline x86-64 or the host's default; the portable C++ loops run there,
-slowly. The kernels split their work over a pool of their own (pool.cpp: the caller never
+the CPU has it, plus AVX512-VL/VNNI where those are there too (Ice Lake, Zen 4 and later:
+the int16 codes' multiply-adds then accumulate in one instruction, vpdpwssd on 256-bit
+registers; the sums are the same integers), else baseline x86-64 or the host's default; the
+portable C++ loops run there, slowly. The build directory is keyed on the target. The kernels split their work over a pool of their own (pool.cpp: the caller never
 waits for a helper that has not started, where OpenMP's barrier waits for a descheduled one),
 sized by ``torch.set_num_threads``.
 """
@@ -54,7 +56,10 @@ def _cpu_flags() -> set[str]:
 def target_flags() -> list[str]:
     """The compiler's target for this CPU (module docstring)."""
     if platform.machine() in ("x86_64", "AMD64"):
-        if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags = _cpu_flags()
+        if {"avx2", "fma", "f16c", "avx512vl", "avx512_vnni"} <= flags:
+            return ["-march=x86-64-v3", "-mavx512vl", "-mavx512vnni"]
+        if {"avx2", "fma", "f16c"} <= flags:
             return ["-march=x86-64-v3"]
         return ["-march=x86-64"]
     return []
