@@ -8,6 +8,9 @@ the output head, for:
 - ``fp32``: float32 weights and torch's GEMM (what ``--quantization none`` reads);
 - ``q4 cpp a16`` / ``a8``: kernels/cpu/quant_matmul.cpp on Q4 weights (group 32, the head in
   Q8_0 as in the shipped GGUF), x quantized to 16- or 8-bit codes inside;
+- ``q4 x16`` / ``q8 x16``: kernels/cpu/quant_x16.cpp on the same weights in the x16 layout
+  (16 rows interleaved; int16 codes of x; only where the CPU has AVX-512 BW / VL and VNNI),
+  which the engine takes there at every row count;
 - ``q8 cpp a16`` / ``a8``: the same kernels on per-channel int8 weights (``--quantization
   int8``);
 - ``q4 torch``: torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations);
@@ -68,6 +71,17 @@ def packed_kernel(weight: QuantWeight, act_bits: int) -> Matmul:
                                          act_bits)  # fmt: skip
 
 
+def x16_kernel(weight: QuantWeight) -> Matmul:
+    """The x16 kernel (the weight repacked once)."""
+    packed, n = weight.to_x16(), weight.shape[0]
+    if isinstance(packed, Q4Weight):
+        return lambda x: cpu_quant.q4x16_matmul(
+            x, packed.qweight, packed.scales, packed.mins, packed.group_size, n
+        )
+    return lambda x: cpu_quant.q8x16_matmul(x, packed.qweight, packed.scales,
+                                            packed.group_size, n)  # fmt: skip
+
+
 def _float_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
@@ -111,6 +125,9 @@ def build_paths() -> dict[str, Path]:
         paths[f"q8 cpp a{bits}"] = Path(
             [packed_kernel(w, bits) for w in [*q8, head_q8]], weight_bytes(q8, head_q8)
         )
+    if cpu_quant.has_x16():
+        paths["q4 x16"] = Path([x16_kernel(w) for w in cpp_q4], weight_bytes(q4, head_q8_0))
+        paths["q8 x16"] = Path([x16_kernel(w) for w in [*q8, head_q8]], weight_bytes(q8, head_q8))
     torch_compute = QuantCompute("torch")
     torch_q4: list[QuantWeight] = [*q4, head_q8]
     torch_q8: list[QuantWeight] = [*q8, head_q8]

@@ -37,7 +37,7 @@ from common.models.loader import CausalLM, build_model
 from common.models.quant.formats import resolve_weight_format
 from common.models.quant.fused_decode import FusedDecoder
 from common.models.quant.linear import DENSE_MIN_ROWS, dense_rows
-from common.models.quant.load import weight_bytes
+from common.models.quant.load import matmul_layouts, weight_bytes
 from common.models.rope import apply_rotary, rotation_rows
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,11 @@ class ModelRunner:
         if config.fused_decode and self.weight_format.quantized:
             self.model.fused_decoder = FusedDecoder.build(self.model, self.layer_kv)
         self.num_forward_tokens = 0  # tokens that went through the model (tests count them)
+        layouts = ", ".join(f"{n} {name}" for name, n in sorted(matmul_layouts(self.model).items()))
         log.info(
-            "weights: %s, %.1f MiB", self.weight_format.describe(), self.weight_bytes / 2**20
-        )
+            "weights: %s, %.1f MiB%s", self.weight_format.describe(), self.weight_bytes / 2**20,
+            f" (packed matmuls: {layouts})" if layouts else "",
+        )  # fmt: skip
         log.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s, backend %s)",
             self.num_blocks,

@@ -10,8 +10,9 @@ no compiler and may run from a read-only directory.
 Target: x86-64-v3 (AVX2, FMA, F16C, the level every x86 server of the last decade has) when
 the CPU has it, plus AVX512-VL/VNNI where those are there too (Ice Lake, Zen 4 and later:
 the int16 codes' multiply-adds then accumulate in one instruction, vpdpwssd on 256-bit
-registers; the sums are the same integers), else baseline x86-64 or the host's default; the
-portable C++ loops run there, slowly. The build directory is keyed on the target. The kernels split their work over a pool of their own (pool.cpp: the caller never
+registers; the sums are the same integers), and with AVX512-BW as well the x16 kernels
+(quant_x16.cpp: 16 weight rows in the lanes of a 512-bit register), else baseline x86-64 or
+the host's default; the portable C++ loops run there, slowly. The build directory is keyed on the target. The kernels split their work over a pool of their own (pool.cpp: the caller never
 waits for a helper that has not started, where OpenMP's barrier waits for a descheduled one),
 sized by ``torch.set_num_threads``.
 """
@@ -31,7 +32,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = (
-    "module.cpp", "pool.cpp", "quant_matmul.cpp", "ops.cpp", "decode_model.cpp", "kernels.h",
+    "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "ops.cpp", "decode_model.cpp",
+    "kernels.h",
 )
 _NAME = "pdserve_cpu_kernels"
 _lock = threading.Lock()
@@ -57,6 +59,8 @@ def target_flags() -> list[str]:
     """The compiler's target for this CPU (module docstring)."""
     if platform.machine() in ("x86_64", "AMD64"):
         flags = _cpu_flags()
+        if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            return ["-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
         if {"avx2", "fma", "f16c", "avx512vl", "avx512_vnni"} <= flags:
             return ["-march=x86-64-v3", "-mavx512vl", "-mavx512vnni"]
         if {"avx2", "fma", "f16c"} <= flags:

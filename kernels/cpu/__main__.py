@@ -17,7 +17,8 @@ def main() -> int:
         return 1
     print(
         f"kernels.cpu: ready in {time.monotonic() - start:.1f}s ({build_directory()}, "
-        f"AVX2 {'on' if module.has_avx2() else 'off'})"
+        f"AVX2 {'on' if module.has_avx2() else 'off'}, "
+        f"x16 {'on' if module.has_x16() else 'off'})"
     )
     return 0
 

@@ -18,27 +18,35 @@
 
 namespace {
 
-// One quantized projection: Q4 (codes, scales, mins) or Q8 (codes, scales), and a bias.
+// One quantized projection: Q4 (codes, scales, mins) or Q8 (codes, scales), in the rows or
+// the x16 layout (kernels/cpu/quant.py), and a bias.
 struct Projection {
-  bool q4 = true;
+  bool q4 = true, x16 = false;
   torch::Tensor qweight, scales, mins;
-  int64_t group_size = 32;
+  int64_t group_size = 32, num_rows = 0;
   std::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t act_bits) const {
-    torch::Tensor out = q4 ? pdserve_cpu::q4_matmul(x, qweight, scales, mins, group_size, act_bits)
-                           : pdserve_cpu::q8_matmul(x, qweight, scales, group_size, act_bits);
+    torch::Tensor out;
+    if (x16) {
+      out = q4 ? pdserve_cpu::q4x16_matmul(x, qweight, scales, mins, group_size, num_rows)
+               : pdserve_cpu::q8x16_matmul(x, qweight, scales, group_size, num_rows);
+    } else {
+      out = q4 ? pdserve_cpu::q4_matmul(x, qweight, scales, mins, group_size, act_bits)
+               : pdserve_cpu::q8_matmul(x, qweight, scales, group_size, act_bits);
+    }
     if (bias.has_value()) out.add_(*bias);
     return out;
   }
 };
 
-Projection make_projection(bool q4, torch::Tensor qweight, torch::Tensor scales,
+Projection make_projection(bool q4, bool x16, torch::Tensor qweight, torch::Tensor scales,
                            std::optional<torch::Tensor> mins, int64_t group_size,
-                           std::optional<torch::Tensor> bias) {
+                           int64_t num_rows, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(!q4 || mins.has_value(), "a Q4 projection needs its mins");
-  return Projection{q4, std::move(qweight), std::move(scales),
-                    mins.has_value() ? *mins : torch::Tensor(), group_size, std::move(bias)};
+  return Projection{q4, x16, std::move(qweight), std::move(scales),
+                    mins.has_value() ? *mins : torch::Tensor(), group_size, num_rows,
+                    std::move(bias)};
 }
 
 struct Layer {
@@ -117,9 +125,11 @@ class DecodeModel {
 void register_decode_model(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection");
-  m.def("projection", &make_projection, py::arg("q4"), py::arg("qweight"), py::arg("scales"),
-        py::arg("mins"), py::arg("group_size"), py::arg("bias"),
-        "one quantized projection (Q4 when q4, else Q8) for DecodeModel");
+  m.def("projection", &make_projection, py::arg("q4"), py::arg("x16"), py::arg("qweight"),
+        py::arg("scales"), py::arg("mins"), py::arg("group_size"), py::arg("num_rows"),
+        py::arg("bias"),
+        "one quantized projection (Q4 when q4, else Q8; the x16 layout when x16) for "
+        "DecodeModel");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

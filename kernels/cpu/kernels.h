@@ -38,6 +38,12 @@ torch::Tensor q4_dequantize(const torch::Tensor& qweight, const torch::Tensor& s
                             const torch::Tensor& mins, int64_t group_size, int64_t row_start,
                             int64_t row_end);
 bool has_avx2();
+torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, const torch::Tensor& mins,
+                           int64_t group_size, int64_t n);
+torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, int64_t group_size, int64_t n);
+bool has_x16();
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,

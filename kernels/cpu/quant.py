@@ -13,6 +13,13 @@ within 1/65534 of the row's largest |x|) or to int8 codes per sub-block of 32 (a
 ``x @ dequantize(w).T`` that measured up to 8e-5 of the largest output for int16 codes and
 1-2e-2 for int8 codes
 (tests/kernels/test_quant_matmul.py states the bounds it checks).
+
+The x16 layouts (quant_x16.cpp, for CPUs with AVX-512 BW / VL and VNNI) hold the same codes
+and scales with 16 weight rows interleaved, so that a 512-bit register's lanes are 16 output
+features; ``pack_q4_x16`` / ``pack_q8_x16`` convert (exactly: the inverse functions give the
+original tensors back), and ``q4x16_matmul`` / ``q8x16_matmul`` take int16 codes of x only.
+Their results equal ``q4_matmul`` / ``q8_matmul`` with act_bits 16 up to float32 rounding
+(the same exact integer sums, added in another order).
 """
 
 from __future__ import annotations
@@ -37,6 +44,85 @@ def pack_q4_codes(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     blocks = codes.to(torch.uint8).reshape(n, k // SUB_BLOCK, 2, 16)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+X16 = 16  # weight rows per block of the x16 layouts
+
+
+def pack_q4_x16(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4 uint8 [N, K/2], float16 [N, K/G] x 2 (N a multiple of 16) -> the Q4x16 layout:
+    codes uint8 [N/16, K/32, 4, 64] (chunk c of n-block j, sub-block b: 32 little-endian
+    words, word 2i + h holding q[16j + i, 32b + 8c + 2t + h] in nibble t), scales and mins
+    float16 [N/16, K/G, 16]."""
+    n, half = qweight.shape
+    k = half * 2
+    codes = unpack_q4_codes(qweight).view(n // X16, X16, k // SUB_BLOCK, 4, 4, 2)  # j i b c t h
+    codes = codes.permute(0, 2, 3, 1, 5, 4)  # j b c i h t
+    low = codes[..., 0] | (codes[..., 1] << 4)  # the word's first byte: nibbles 0, 1
+    high = codes[..., 2] | (codes[..., 3] << 4)
+    packed = torch.stack([low, high], dim=-1).reshape(n // X16, k // SUB_BLOCK, 4, 64)
+    return packed.contiguous(), _lanes(scales), _lanes(mins)
+
+
+def unpack_q4_x16(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_q4_x16``; ``packed`` may be a selection of n-blocks."""
+    blocks, num_sub = packed.shape[:2]
+    pairs = packed.view(blocks, num_sub, 4, X16, 2, 2)  # j b c i h byte
+    nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # ... h t
+    codes = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(blocks * X16, num_sub * SUB_BLOCK)
+    return pack_q4_codes(codes), _rows(scales), _rows(mins)
+
+
+def pack_q8_x16(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8 int8 [N, K], float16 [N, K/G] (N a multiple of 16) -> the Q8x16 layout: codes int8
+    [N/16, K/32, 16, 32] (chunk c of n-block j, sub-block b: byte 2i + h is
+    q[16j + i, 32b + 2c + h]), scales float16 [N/16, K/G, 16]."""
+    n, k = qweight.shape
+    codes = qweight.view(n // X16, X16, k // SUB_BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
+    return codes.reshape(n // X16, k // SUB_BLOCK, 16, 32).contiguous(), _lanes(scales)
+
+
+def unpack_q8_x16(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_q8_x16``; ``packed`` may be a selection of n-blocks."""
+    blocks, num_sub = packed.shape[:2]
+    codes = packed.view(blocks, num_sub, 16, X16, 2).permute(0, 3, 1, 2, 4)
+    return codes.reshape(blocks * X16, num_sub * SUB_BLOCK).contiguous(), _rows(scales)
+
+
+def gather_q4_x16(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` [T] of Q4x16 weights in the rows layout: uint8 [T, K/2], float16
+    [T, K/G] x 2 (an embedding lookup reads only these rows' bytes)."""
+    blocks, lanes = ids // X16, ids % X16
+    num_sub = packed.shape[1]
+    pairs = packed.view(packed.shape[0], num_sub, 4, X16, 2, 2)[blocks, :, :, lanes]  # T b c h byte
+    nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # T b c h t
+    codes = nibbles.transpose(-1, -2).reshape(ids.numel(), num_sub * SUB_BLOCK)
+    return pack_q4_codes(codes), scales[blocks, :, lanes], mins[blocks, :, lanes]
+
+
+def gather_q8_x16(
+    packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` [T] of Q8x16 weights in the rows layout: int8 [T, K], float16 [T, K/G]."""
+    blocks, lanes = ids // X16, ids % X16
+    num_sub = packed.shape[1]
+    codes = packed.view(packed.shape[0], num_sub, 16, X16, 2)[blocks, :, :, lanes]  # T b c h
+    return codes.reshape(ids.numel(), num_sub * SUB_BLOCK), scales[blocks, :, lanes]
+
+
+def _lanes(per_row: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/16, X, 16]
+    n = per_row.shape[0]
+    return per_row.view(n // X16, X16, -1).transpose(1, 2).contiguous()
+
+
+def _rows(lanes: torch.Tensor) -> torch.Tensor:  # [N/16, X, 16] -> [N, X]
+    return lanes.transpose(1, 2).reshape(lanes.shape[0] * X16, -1).contiguous()
 
 
 def dequantize_q4_ref(
@@ -95,6 +181,32 @@ def q8_matmul(
     act_bits: int = 16,
 ) -> torch.Tensor:
     out: torch.Tensor = load().q8_matmul(x, qweight, scales, group_size, act_bits)
+    return out
+
+
+def has_x16() -> bool:
+    """Whether the x16 kernels were compiled in (this CPU has AVX-512 BW / VL and VNNI)."""
+    return bool(load().has_x16())
+
+
+def q4x16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    n: int,
+) -> torch.Tensor:
+    """x float32 [M, K] contiguous @ Q4x16 weights (``pack_q4_x16``) of N = ``n`` rows ->
+    float32 [M, N]; x is quantized to int16 codes per row inside."""
+    out: torch.Tensor = load().q4x16_matmul(x, qweight, scales, mins, group_size, n)
+    return out
+
+
+def q8x16_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, n: int
+) -> torch.Tensor:
+    out: torch.Tensor = load().q8x16_matmul(x, qweight, scales, group_size, n)
     return out
 
 

@@ -312,6 +312,7 @@ def test_cpp_path_switches_to_dense_gemm_for_many_rows(
     float32 (exact weights, float32 GEMM); chunks made small so several are used."""
     from common.models.quant import linear
 
+    monkeypatch.setattr(linear, "_x16_ok", False)  # x16 weights have the packed path only
     gen = torch.Generator().manual_seed(11)
     k, n = 128, 70
     monkeypatch.setattr(linear, "_CHUNK_ELEMENTS", 16 * k)  # 16 rows per chunk: 5 chunks

@@ -7,6 +7,9 @@ decodes. An MoE's router is a float GEMM, whose rounding depends on the row coun
 a GEMV for one row: 1.2e-7 apart on a tiny router); the int16 activation codes after it can
 round that 1 ulp to a code apart, so there the logits stay close (measured 3.5e-4 of about
 3) and the tokens equal.
+
+Those rules are for weights in the rows layout, which these tests pin. A CPU with the x16
+kernels (AVX-512) gives its weights one path for every row count; the last test checks it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ pytestmark = [
     pytest.mark.skipif(not available(), reason="the C++ CPU kernels do not build here"),
     pytest.mark.usefixtures("one_thread"),
 ]
+
+@pytest.fixture(autouse=True)
+def rows_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test but the x16 one runs with the rows layout, where the two paths exist."""
+    if "x16" not in request.node.name:
+        monkeypatch.setattr(linear, "_x16_ok", False)
+
 
 LONG = DENSE_MIN_ROWS + 12  # a prompt whose tokens take the dense path
 SHORT = 10
@@ -166,3 +176,21 @@ def test_outside_a_step_the_row_count_decides() -> None:
     assert not torch.equal(big[:5], small)  # two paths, two roundings
     with linear.dense_rows(torch.zeros(DENSE_MIN_ROWS, dtype=torch.bool)):
         assert torch.equal(matmul(x)[:5], small)  # marked packed: the 5-row bits
+
+
+@pytest.mark.skipif(not available() or not linear.x16_available(),
+                    reason="no x16 kernels (AVX-512 BW / VL / VNNI) here")  # fmt: skip
+def test_x16_weights_take_the_packed_kernel_for_every_row(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short, long = random_prompts(384, [SHORT, LONG], seed=3)
+    spy = _Spy(monkeypatch)
+    alone_tokens, alone = _run(_engine(ckpt), "r", {0: ("r", short)})
+    mixed_tokens, mixed = _run(_engine(ckpt), "r", {0: ("r", short), 3: ("long", long)})
+    assert not spy.dense and LONG + 1 in spy.packed  # r's row and the long prompt's, packed
+    assert mixed_tokens == alone_tokens
+    for step, (a, b) in enumerate(zip(alone, mixed, strict=True)):
+        if ckpt.name == "llama":
+            assert torch.equal(a, b), (step, (a - b).abs().max().item())
+        else:
+            assert (a - b).abs().max() <= 1e-2 * a.abs().max(), step

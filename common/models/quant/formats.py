@@ -70,7 +70,7 @@ class WeightFormat:
         if not self.quantized:
             return "none (float weights)"
         kernel = (
-            f"C++ AVX2, {self.act_bits}-bit activation codes"
+            f"C++, {self.act_bits}-bit activation codes"
             if self.kernel == "cpp"
             else "torch packed, bfloat16 activations"
         )

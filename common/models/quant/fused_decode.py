@@ -40,11 +40,12 @@ def _projection(ops: Any, layer: object, act_bits: list[int]) -> Any | None:
     if part.kernel != "cpp" or weight is None:
         return None
     act_bits.append(part.act_bits)
-    if isinstance(weight, Q4Weight):
-        return ops.projection(True, weight.qweight, weight.scales, weight.mins,
-                              weight.group_size, layer.bias)  # fmt: skip
-    return ops.projection(False, weight.qweight, weight.scales, None, weight.group_size,
-                          layer.bias)  # fmt: skip
+    q4 = isinstance(weight, Q4Weight)
+    return ops.projection(
+        q4, weight.layout == "x16", weight.qweight, weight.scales,
+        weight.mins if isinstance(weight, Q4Weight) else None, weight.group_size,
+        weight.shape[0], layer.bias,
+    )  # fmt: skip
 
 
 class FusedDecoder:

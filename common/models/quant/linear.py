@@ -4,8 +4,13 @@
 
 Activations stay float32 in and out; what computes the product is the engine's choice:
 
-- ``cpp`` (the CPU default): kernels/cpu/quant.py, packed weights read as they are. For
-  many rows (prefill) the weight is instead dequantized in chunks of rows and multiplied
+- ``cpp`` (the CPU default): kernels/cpu/quant.py, packed weights read as they are. On a
+  CPU with AVX-512 BW / VL and VNNI, a weight whose rows come in sixteens is repacked once
+  into the x16 layout (``Q4Weight.to_x16``; 16 rows interleaved) for int16 activation
+  codes, and its kernel takes every row count: it beat dequantize-and-GEMM up to 512 rows
+  and was within 10 % of it at 1024 (loadtest/bench_quant.py), so such a weight has one
+  path and the rest of this paragraph does not apply to it. Elsewhere, for many rows
+  (prefill) the weight is instead dequantized in chunks of rows and multiplied
   by torch's float32 GEMM, which is faster from ``DENSE_MIN_ROWS`` rows (measured in
   loadtest/bench_quant.py). The two paths round differently, so which one a row takes is
   decided by the row, not by the step it lands in: the model runner marks the dense rows
@@ -153,6 +158,7 @@ def _dequantize_rows(weight: QuantWeight, start: int, end: int) -> torch.Tensor:
 
 
 _cpp_ok: bool | None = None
+_x16_ok: bool | None = None
 
 
 def cpu_quant_available() -> bool:
@@ -162,6 +168,30 @@ def cpu_quant_available() -> bool:
 
         _cpp_ok = available()
     return _cpp_ok
+
+
+def x16_available() -> bool:
+    """Whether the C++ kernels here have the x16 (AVX-512) matmuls."""
+    global _x16_ok
+    if _x16_ok is None:
+        _x16_ok = cpu_quant_available() and cpu_quant.has_x16()
+    return _x16_ok
+
+
+def kernel_layout(weight: QuantWeight, compute: QuantCompute) -> QuantWeight:
+    """``weight`` in the layout its kernel reads: x16 where those kernels are built, the
+    activations are int16 codes and the rows come in sixteens (a 2-D weight), else as is."""
+    if (
+        compute.kernel == "cpp"
+        and compute.act_bits == 16
+        and weight.layout == "rows"
+        and weight.qweight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 32 == 0
+        and x16_available()
+    ):
+        return weight.to_x16()
+    return weight
 
 
 class PackedMatmul:
@@ -177,7 +207,9 @@ class PackedMatmul:
                 f"the C++ kernels need input features in multiples of 32; this layer has "
                 f"{weight.shape[1]} (use --quant-kernel torch, or --quantization none)"
             )
-        # torch's Q4 kernel reads its own layout: converted once, the original dropped.
+        # torch's Q4 kernel reads its own layout: converted once, the original dropped; the
+        # C++ kernels may read the x16 layout (kernel_layout).
+        weight = kernel_layout(weight, compute)
         self.weight: QuantWeight | None = weight
         self._torch_q4: _TorchQ4 | None = None
         if self.kernel == "torch" and isinstance(weight, Q4Weight):
@@ -201,6 +233,8 @@ class PackedMatmul:
                     x.to(torch.bfloat16), w.qweight, scales
                 ).float()
             return _dense_in_chunks(x, w)
+        if w.layout == "x16":
+            return self._packed(x, w)
         paths = _ROW_PATHS.get()
         if paths is None:
             if x.shape[0] >= DENSE_MIN_ROWS:
@@ -216,6 +250,11 @@ class PackedMatmul:
         return out
 
     def _packed(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        if w.layout == "x16":
+            n = w.shape[0]
+            if isinstance(w, Q4Weight):
+                return cpu_quant.q4x16_matmul(x, w.qweight, w.scales, w.mins, w.group_size, n)
+            return cpu_quant.q8x16_matmul(x, w.qweight, w.scales, w.group_size, n)
         if isinstance(w, Q4Weight):
             return cpu_quant.q4_matmul(
                 x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits
@@ -279,7 +318,7 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return self.table[ids].dequantize()
+        return self.table.lookup(ids)
 
 
 class QuantExperts(nn.Module):

@@ -56,9 +56,9 @@ def quantize_model(model: LlamaForCausalLM, fmt: WeightFormat) -> None:
             )
             _replace(model, path, quantized)
     head = Q8Weight.quantize_per_channel(model.lm_head.weight.data)
-    if model.spec.tie_word_embeddings:
-        model.embed_tokens = QuantEmbedding(head)  # type: ignore[assignment]
     model.lm_head = QuantLinear([head], None, fmt.compute)  # type: ignore[assignment]
+    if model.spec.tie_word_embeddings:
+        model.embed_tokens = QuantEmbedding(_table_of(model.lm_head, head))  # type: ignore[assignment]
 
 
 def load_gguf_layers(
@@ -112,13 +112,21 @@ def load_gguf_layers(
         _replace(model, module_path, QuantLinear(parts, bias, compute, offsets))
     # Biases of the replaced layers went into them; the float loader must not see them.
     floats = [(n, t) for n, t in floats if _module_of(model, n) not in quantized]
-    if embed is not None:
-        model.embed_tokens = QuantEmbedding(embed)  # type: ignore[assignment]
-        if model.spec.tie_word_embeddings and head is None:
-            head = embed
+    if embed is not None and model.spec.tie_word_embeddings and head is None:
+        head = embed
     if head is not None:
         model.lm_head = QuantLinear([head], None, compute)  # type: ignore[assignment]
+    if embed is not None:
+        table = _table_of(model.lm_head, embed) if head is embed else embed
+        model.embed_tokens = QuantEmbedding(table)  # type: ignore[assignment]
     return floats
+
+
+def _table_of(head: nn.Module, table: QuantWeight) -> QuantWeight:
+    """A tied table as the head holds it (in its kernel's layout), so it is held once."""
+    assert isinstance(head, QuantLinear), type(head)
+    held = head.parts[0].weight
+    return table if held is None else held
 
 
 def _module_of(model: LlamaForCausalLM, name: str) -> str | None:
@@ -141,6 +149,21 @@ def _fuse(parts: list[QuantWeight]) -> list[QuantWeight]:
     if isinstance(parts[0], Q4Weight):
         return [Q4Weight.cat([p for p in parts if isinstance(p, Q4Weight)])]
     return [Q8Weight.cat([p for p in parts if isinstance(p, Q8Weight)])]
+
+
+def matmul_layouts(model: nn.Module) -> dict[str, int]:
+    """How many of the model's packed matmuls hold each layout (rows, x16) or torch's."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        matmuls = []
+        if isinstance(module, QuantLinear):
+            matmuls = module.parts
+        elif isinstance(module, QuantExperts):
+            matmuls = module.gate_up + module.down
+        for matmul in matmuls:
+            layout = "torch" if matmul.weight is None else matmul.weight.layout
+            counts[layout] = counts.get(layout, 0) + 1
+    return counts
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -8,6 +8,12 @@
 with a float16 scale per group (G = 32 is GGUF's Q8_0; G = K is one scale per output row),
 ``w = q * scale``. The byte layout is kernels/cpu/quant.py's. Both may carry leading expert
 dimensions: ``weight[e]`` is expert e's [N, K] weight.
+
+``layout`` says how the bytes lie: ``rows`` (row after row, the layout above, in which
+weights are loaded, quantized, sliced and fused) or ``x16`` (16 rows interleaved for the
+AVX-512 kernels, kernels/cpu/quant_x16.cpp; 2-D only, N a multiple of 16). ``to_x16`` /
+``to_rows`` convert exactly; a weight in the x16 layout serves matmuls, dequantization and
+row lookups (``lookup``), nothing else.
 """
 
 from __future__ import annotations
@@ -18,9 +24,16 @@ import torch
 
 from kernels.cpu.quant import (
     SUB_BLOCK,
+    X16,
     dequantize_q4_ref,
     dequantize_q8_ref,
+    gather_q4_x16,
+    gather_q8_x16,
     pack_q4_codes,
+    pack_q4_x16,
+    pack_q8_x16,
+    unpack_q4_x16,
+    unpack_q8_x16,
 )
 
 
@@ -39,12 +52,31 @@ class Q4Weight:
     scales: torch.Tensor  # float16 [..., N, K/G]
     mins: torch.Tensor  # float16 [..., N, K/G]
     group_size: int
+    layout: str = "rows"  # x16: qweight [N/16, K/32, 4, 64], scales, mins [N/16, K/G, 16]
 
     kind = "q4"
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "x16":
+            return self.qweight.shape[0] * X16, self.qweight.shape[1] * SUB_BLOCK
         return self.qweight.shape[-2], self.qweight.shape[-1] * 2
+
+    def to_x16(self) -> Q4Weight:
+        assert self.layout == "rows" and self.qweight.dim() == 2, (self.layout, self.qweight.shape)
+        return Q4Weight(*pack_q4_x16(self.qweight, self.scales, self.mins), self.group_size, "x16")
+
+    def to_rows(self) -> Q4Weight:
+        if self.layout == "rows":
+            return self
+        return Q4Weight(*unpack_q4_x16(self.qweight, self.scales, self.mins), self.group_size)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup)."""
+        if self.layout == "rows":
+            return self[ids].dequantize()
+        rows = gather_q4_x16(self.qweight, self.scales, self.mins, ids)
+        return Q4Weight(*rows, self.group_size).dequantize()
 
     @property
     def num_bytes(self) -> int:
@@ -52,6 +84,8 @@ class Q4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [..., N, K], bit for bit GGUF's dequantization of the same blocks."""
+        if self.layout != "rows":
+            return self.to_rows().dequantize()
         lead = self.qweight.shape[:-2]
         n, k = self.shape
         out = dequantize_q4_ref(
@@ -64,6 +98,7 @@ class Q4Weight:
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> Q4Weight:
         """Selects along the first dim (rows of a 2-D weight, experts of a 3-D one)."""
+        assert self.layout == "rows", "select rows of an x16 weight with lookup"
         return Q4Weight(
             self.qweight[index].contiguous(),
             self.scales[index].contiguous(),
@@ -75,6 +110,7 @@ class Q4Weight:
     def cat(parts: list[Q4Weight]) -> Q4Weight:
         """Rows of several weights stacked (fused projections); same K and group size."""
         assert len({p.group_size for p in parts}) == 1, "fused Q4 parts differ in group size"
+        assert all(p.layout == "rows" for p in parts), "fuse weights before packing them x16"
         return Q4Weight(
             torch.cat([p.qweight for p in parts], dim=-2),
             torch.cat([p.scales for p in parts], dim=-2),
@@ -112,18 +148,39 @@ class Q8Weight:
     qweight: torch.Tensor  # int8 [..., N, K]
     scales: torch.Tensor  # float16 [..., N, K/G]
     group_size: int
+    layout: str = "rows"  # x16: qweight [N/16, K/32, 16, 32], scales [N/16, K/G, 16]
 
     kind = "q8"
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.layout == "x16":
+            return self.qweight.shape[0] * X16, self.qweight.shape[1] * SUB_BLOCK
         return self.qweight.shape[-2], self.qweight.shape[-1]
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
 
+    def to_x16(self) -> Q8Weight:
+        assert self.layout == "rows" and self.qweight.dim() == 2, (self.layout, self.qweight.shape)
+        return Q8Weight(*pack_q8_x16(self.qweight, self.scales), self.group_size, "x16")
+
+    def to_rows(self) -> Q8Weight:
+        if self.layout == "rows":
+            return self
+        return Q8Weight(*unpack_q8_x16(self.qweight, self.scales), self.group_size)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup)."""
+        if self.layout == "rows":
+            return self[ids].dequantize()
+        rows = gather_q8_x16(self.qweight, self.scales, ids)
+        return Q8Weight(*rows, self.group_size).dequantize()
+
     def dequantize(self) -> torch.Tensor:
+        if self.layout != "rows":
+            return self.to_rows().dequantize()
         lead = self.qweight.shape[:-2]
         n, k = self.shape
         out = dequantize_q8_ref(
@@ -133,6 +190,7 @@ class Q8Weight:
         return out.view(*lead, n, k)
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> Q8Weight:
+        assert self.layout == "rows", "select rows of an x16 weight with lookup"
         return Q8Weight(
             self.qweight[index].contiguous(), self.scales[index].contiguous(), self.group_size
         )
@@ -140,6 +198,7 @@ class Q8Weight:
     @staticmethod
     def cat(parts: list[Q8Weight]) -> Q8Weight:
         assert len({p.group_size for p in parts}) == 1, "fused Q8 parts differ in group size"
+        assert all(p.layout == "rows" for p in parts), "fuse weights before packing them x16"
         return Q8Weight(
             torch.cat([p.qweight for p in parts], dim=-2),
             torch.cat([p.scales for p in parts], dim=-2),

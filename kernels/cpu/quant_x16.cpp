@@ -1,0 +1,353 @@
+// Matmuls over packed 4-bit and 8-bit weights in a 16-row interleaved layout, for CPUs with
+// AVX-512 (F, BW, VL) and VNNI; activations float32 in and out, quantized inside to int16
+// codes with one step per row, as quant_matmul.cpp's act_bits 16.
+//
+// M = activation rows, K = input features, N = output features (weight rows), G = group size,
+// NB = N / 16 (blocks of 16 weight rows), SB = K / 32 (sub-blocks of 32 elements).
+//
+// Why another layout: quant_matmul.cpp walks one weight row at a time and sums its products
+// across a vector's lanes at the end (a horizontal sum per output). Here the 16 lanes of a
+// 512-bit register are 16 weight rows: x's pair of int16 codes (x[k], x[k+1]) is broadcast
+// to every lane and one vpdpwssd adds w[n, k] x[k] + w[n, k+1] x[k+1] into lane n, so a
+// register of sums is 16 outputs, stored as they are, and the codes unpack with shifts and
+// masks. The integer sums of each sub-block are exact, as in quant_matmul.cpp; only the
+// float32 order of the per-sub-block sums differs (each lane adds its own in order).
+//
+// Q4x16: qweight uint8 [NB, SB, 4, 64]. In chunk c (0..3) of n-block j, sub-block b, the
+//   64 bytes are 32 little-endian 16-bit words; word 2i + h (lane i, h = 0 / 1) holds in its
+//   nibble t (bits 4t..4t+3) the code q[16j + i, 32b + 8c + 2t + h].
+//   scales, mins float16 [NB, K / G, 16]: lane i of group g is row 16j + i's.
+//   w[n, k] = q * scale + min (GGUF's Q4_1; quant_matmul.cpp's Q4).
+// Q8x16: qweight int8 [NB, SB, 16, 32]. In chunk c (0..15), byte 2i + h holds
+//   q[16j + i, 32b + 2c + h]. scales float16 [NB, K / G, 16] (G = K: one scale per row).
+//   w[n, k] = q * scale.
+// kernels/cpu/quant.py packs both from quant_matmul.cpp's layout (pack_q4_x16 / pack_q8_x16).
+//
+// y[m, n] = dx[m] * (sum_b scale[n, g(b)] * S[m, n, b] + sum_g min[n, g] * xsum[m, g] / dx[m])
+// with S the exact int32 sum of sub-block b's code products, dx the row's step and xsum the
+// float32 sum of x over group g (Q4's min term, folded into the same accumulator).
+//
+// Tiles: R rows of x times T n-blocks; the sums of a tile live in registers
+// (R * T int32 + R * T float32 vectors), and each unpacked weight vector serves R rows.
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define PDSERVE_X16 1
+#endif
+
+namespace {
+
+constexpr int64_t kSub = 32;
+constexpr int64_t kLanes = 16;
+// n-blocks per pass: a lone row takes 4 (4 independent chains of vpdpwssd), tiles of 2-4 rows
+// take 2 (8 chains at 4 rows, with 16 accumulators and the unpacked codes in 32 registers).
+// loadtest/bench_quant.py measured 8 / 4 and 2 / 1 no faster on SmolLM2's shapes.
+constexpr int kSingleRowBlocks = 4;
+constexpr int kTileBlocks = 2;
+
+struct Dims16 {
+  int64_t M, K, N, G;
+  int64_t num_sub() const { return K / kSub; }
+  int64_t num_groups() const { return K / G; }
+  int64_t num_blocks() const { return N / kLanes; }
+};
+
+Dims16 check_x16(const torch::Tensor& x, const torch::Tensor& qweight,
+                 const torch::Tensor& scales, int64_t group_size, int64_t n,
+                 int64_t block_bytes) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] matrix");
+  const Dims16 d{x.size(0), x.size(1), n, group_size};
+  TORCH_CHECK(d.K % kSub == 0, "K must be a multiple of 32, got ", d.K);
+  TORCH_CHECK(d.N % kLanes == 0 && d.N > 0, "N must be a positive multiple of 16, got ", d.N);
+  TORCH_CHECK(d.G >= kSub && d.K % d.G == 0 && (d.G == d.K || (d.G & (d.G - 1)) == 0),
+              "group_size must be a power of two >= 32 dividing K = ", d.K, " (or K), got ",
+              d.G);
+  TORCH_CHECK(qweight.is_contiguous() && qweight.numel() == d.num_blocks() * d.num_sub() * block_bytes,
+              "qweight must be contiguous [N/16, K/32, ", block_bytes, "] bytes for N = ", d.N,
+              ", K = ", d.K);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+                  scales.numel() == d.num_blocks() * d.num_groups() * kLanes,
+              "scales must be contiguous float16 [N/16, K/G, 16]");
+  return d;
+}
+
+// x as int16 codes, one step per row (dx = the row's largest |x| / 32767, round to nearest
+// even), with Q4's group sums of x divided by dx.
+struct CodesX {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> dx;       // [M]
+  std::vector<float> xsum;     // [M, K / G], each / dx (zero when dx is)
+};
+
+CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums) {
+  CodesX q;
+  q.codes.resize(d.M * d.K);
+  q.dx.resize(d.M);
+  if (with_sums) q.xsum.assign(d.M * d.num_groups(), 0.f);
+  for (int64_t m = 0; m < d.M; ++m) {
+    const float* row = x + m * d.K;
+    float absmax = 0.f;
+    for (int64_t k = 0; k < d.K; ++k) absmax = std::max(absmax, std::fabs(row[k]));
+    const float dx = absmax / 32767.f;
+    const float inv = absmax > 0.f ? 32767.f / absmax : 0.f;
+    q.dx[m] = dx;
+    int16_t* out = q.codes.data() + m * d.K;
+#ifdef PDSERVE_X16
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < d.K; k += 16) {  // K is a multiple of 32
+      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), vinv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(c));
+    }
+#else
+    for (int64_t k = 0; k < d.K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+#endif
+    if (with_sums) {
+      for (int64_t g = 0; g < d.num_groups(); ++g) {
+        float s = 0.f;
+        for (int64_t k = g * d.G; k < (g + 1) * d.G; ++k) s += row[k];
+        q.xsum[m * d.num_groups() + g] = absmax > 0.f ? s / dx : 0.f;
+      }
+    }
+  }
+  return q;
+}
+
+#ifdef PDSERVE_X16
+
+inline __m512i pair_of(const int16_t* p) {  // (p[0], p[1]) in every 32-bit lane
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm512_set1_epi32(bits);
+}
+
+inline __m512 halves16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// R rows of x (from m0) against T n-blocks (from j0) of Q4x16 weights.
+template <int R, int T>
+void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const CodesX& qx,
+             int64_t m0, int64_t j0, const Dims16& d, float* out) {
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  const int64_t block_stride = num_sub * 256;  // bytes per n-block
+  const int64_t subs_per_group = d.G / kSub;
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i sum[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
+        const __m512i v0 = _mm512_and_si512(w, low4);
+        const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+        const __m512i v2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), low4);
+        const __m512i v3 = _mm512_srli_epi16(w, 12);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xp = qx.codes.data() + (m0 + r) * d.K + b * kSub + c * 8;
+          __m512i s = sum[r][t];
+          s = _mm512_dpwssd_epi32(s, v0, pair_of(xp));
+          s = _mm512_dpwssd_epi32(s, v1, pair_of(xp + 2));
+          s = _mm512_dpwssd_epi32(s, v2, pair_of(xp + 4));
+          s = _mm512_dpwssd_epi32(s, v3, pair_of(xp + 6));
+          sum[r][t] = s;
+        }
+      }
+    }
+    const int64_t g = b / subs_per_group;
+    const bool group_end = (b + 1) % subs_per_group == 0;
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
+      const __m512 sv = halves16(scales + at);
+      __m512 mv = _mm512_setzero_ps();
+      if (group_end) mv = halves16(mins + at);
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][t]), sv, acc[r][t]);
+        if (group_end)
+          acc[r][t] = _mm512_fmadd_ps(
+              mv, _mm512_set1_ps(qx.xsum[(m0 + r) * num_groups + g]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes,
+                       _mm512_mul_ps(acc[r][t], _mm512_set1_ps(qx.dx[m0 + r])));
+}
+
+// R rows of x (from m0) against T n-blocks (from j0) of Q8x16 weights.
+template <int R, int T>
+void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_t m0,
+             int64_t j0, const Dims16& d, float* out) {
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  const int64_t block_stride = num_sub * 512;
+  const int64_t subs_per_group = d.G / kSub;
+  const bool per_row = d.G == d.K;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  // With one scale per row, the int32 sums are converted every 8 sub-blocks: each is at
+  // most 256 * 32767 * 127 < 2^31.
+  const int64_t flush_every = per_row ? 8 : subs_per_group;
+  __m512i sum[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    for (int c = 0; c < 16; ++c) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            qw + (j0 + t) * block_stride + b * 512 + c * 32)));
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xp = qx.codes.data() + (m0 + r) * d.K + b * kSub + c * 2;
+          sum[r][t] = _mm512_dpwssd_epi32(sum[r][t], v, pair_of(xp));
+        }
+      }
+    }
+    if ((b + 1) % flush_every == 0 || b + 1 == num_sub) {
+      const int64_t g = per_row ? 0 : b / subs_per_group;
+      for (int t = 0; t < T; ++t) {
+        const __m512 sv =
+            per_row ? _mm512_set1_ps(1.f) : halves16(scales + ((j0 + t) * num_groups + g) * kLanes);
+        for (int r = 0; r < R; ++r) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][t]), sv, acc[r][t]);
+          sum[r][t] = _mm512_setzero_si512();
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m512 row_scale =
+        per_row ? halves16(scales + (j0 + t) * kLanes) : _mm512_set1_ps(1.f);
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes,
+                       _mm512_mul_ps(_mm512_mul_ps(acc[r][t], row_scale),
+                                     _mm512_set1_ps(qx.dx[m0 + r])));
+  }
+}
+
+// Rows of x in tiles of up to 4 against n-blocks [j0, j1).
+template <bool Q4>
+void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
+              const uint16_t* mins, const CodesX& qx, int64_t m0, const Dims16& d, float* out) {
+#define PDSERVE_X16_TILE(R, T)                                                          \
+  if constexpr (Q4) {                                                                   \
+    q4_tile<R, T>(qw, scales, mins, qx, m0, j, d, out);                                 \
+  } else {                                                                              \
+    q8_tile<R, T>(qw, scales, qx, m0, j, d, out);                                       \
+  }
+  int64_t j = j0;
+  switch (rows) {
+    case 1:
+      for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
+      break;
+    case 2:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(2, kTileBlocks) }
+      break;
+    case 3:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(3, kTileBlocks) }
+      break;
+    default:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(4, kTileBlocks) }
+      break;
+  }
+  for (; j < j1; ++j) {
+    switch (rows) {
+      case 1: { PDSERVE_X16_TILE(1, 1) } break;
+      case 2: { PDSERVE_X16_TILE(2, 1) } break;
+      case 3: { PDSERVE_X16_TILE(3, 1) } break;
+      default: { PDSERVE_X16_TILE(4, 1) } break;
+    }
+  }
+#undef PDSERVE_X16_TILE
+}
+
+#endif  // PDSERVE_X16
+
+template <bool Q4>
+torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                         const torch::Tensor& scales, const uint16_t* mins, const Dims16& d) {
+  auto out = torch::empty({d.M, d.N}, x.options());
+  if (d.M == 0) return out;
+#ifdef PDSERVE_X16
+  const CodesX qx = quantize_rows(x.data_ptr<float>(), d, Q4);
+  const auto* qw = qweight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  // Chunks of 4 n-blocks (64 outputs) so every tile's pass is whole.
+  const int64_t num_quads = (d.num_blocks() + 3) / 4;
+  pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
+    const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
+    for (int64_t m0 = 0; m0 < d.M; m0 += 4) {
+      const int rows = static_cast<int>(std::min<int64_t>(4, d.M - m0));
+      run_rows<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
+    }
+  });
+#else
+  (void)qweight;
+  (void)scales;
+  (void)mins;
+  TORCH_CHECK(false, "the x16 kernels need AVX-512 F/BW/VL and VNNI (this build has none)");
+#endif
+  return out;
+}
+
+}  // namespace
+
+namespace pdserve_cpu {
+
+torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, const torch::Tensor& mins,
+                           int64_t group_size, int64_t n) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8, "Q4x16 qweight must be uint8");
+  const Dims16 d = check_x16(x, qweight, scales, group_size, n, 256);
+  TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.is_contiguous() &&
+                  mins.sizes() == scales.sizes(),
+              "mins must be contiguous float16 shaped like scales");
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  return x16_matmul<true>(x, qweight, scales, mp, d);
+}
+
+torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
+                           const torch::Tensor& scales, int64_t group_size, int64_t n) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8, "Q8x16 qweight must be int8");
+  const Dims16 d = check_x16(x, qweight, scales, group_size, n, 512);
+  return x16_matmul<false>(x, qweight.view(torch::kUInt8), scales, nullptr, d);
+}
+
+bool has_x16() {
+#ifdef PDSERVE_X16
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace pdserve_cpu
+
+void register_quant_x16(pybind11::module& m) {
+  using namespace pdserve_cpu;
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("q4x16_matmul", &q4x16_matmul, release(),
+        "x [M, K] float32 @ Q4x16 weights [N, K]^T -> [M, N] float32");
+  m.def("q8x16_matmul", &q8x16_matmul, release(),
+        "x [M, K] float32 @ Q8x16 weights [N, K]^T -> [M, N] float32");
+  m.def("has_x16", &has_x16, "whether the AVX-512 VNNI x16 kernels were compiled in");
+}
