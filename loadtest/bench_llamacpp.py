@@ -52,6 +52,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from common.openmp import environment_without_default
+
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "loadtest" / "baselines" / "build_llama_server.sh"
 FORMATS = ("gguf", "int4", "int8", "none")
@@ -175,7 +177,8 @@ def run_llama_bench(
     figures: dict[str, Any] = {}
     for extra in runs:
         argv = [str(bench), "-m", gguf, "-t", str(threads), "-r", str(reps), "-o", "json", *extra]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                              env=environment_without_default())  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"{shlex.join(argv)} failed:\n{done.stderr[-2000:]}")
         for test in json.loads(done.stdout):
@@ -218,7 +221,8 @@ def llama_server(
             "--no-webui", *extra]  # fmt: skip
     logs.mkdir(parents=True, exist_ok=True)
     with (logs / "llama-server.log").open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                   env=environment_without_default())  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -3,6 +3,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import common.openmp  # noqa: F401  (before torch: OpenMP's wait policy)
+
+# isort: split
 import pytest
 import torch
 

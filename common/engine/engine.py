@@ -57,6 +57,7 @@ from common.engine.speculative.verify import VerifyRow, accepted
 from common.errors import AlreadyExistsError, InvalidRequestError, NotFoundError
 from common.experts.counts import ExpertCounts
 from common.kv.hashing import BlockHash, hash_prompt_blocks
+from common.openmp import OMP_POLICY_UNSET
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,12 @@ class Engine:
         self.spec = spec or load_spec(config.model)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if OMP_POLICY_UNSET and torch.get_num_threads() > 1:
+            log.warning(
+                "torch was imported before the engine with OMP_WAIT_POLICY unset: its OpenMP "
+                "threads spin between parallel regions and slow the engine's kernels; set "
+                "OMP_WAIT_POLICY=PASSIVE before starting Python (common/openmp.py)"
+            )
         start = time.monotonic()
         self.runner = ModelRunner(config, self.spec)
         self.block_size = config.block_size

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+import common.openmp  # noqa: F401  (first: OpenMP's wait policy before any role loads torch)
 from common.heap import tune_malloc
 from common.telemetry.logs import configure_logging
 from pdserve.cli.commands import (
