@@ -32,8 +32,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = (
-    "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "ops.cpp", "decode_model.cpp",
-    "kernels.h",
+    "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "ops.cpp",
+    "decode_attention_x16.cpp", "decode_model.cpp", "kernels.h",
 )
 _NAME = "pdserve_cpu_kernels"
 _lock = threading.Lock()

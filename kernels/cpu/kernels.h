@@ -56,6 +56,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
                                      int64_t window);
+// decode_attention_x16.cpp: paged_decode_attention's AVX-512 path on raw pointers; false
+// (nothing written) where it is not compiled in or D is not a multiple of 16 up to 128.
+bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64_t hq,
+                          int64_t hkv, int64_t d, const float* k_cache, const float* v_cache,
+                          int shift, const int32_t* tables, int64_t m, const int32_t* lens,
+                          float scale, int64_t window, float* out);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 
 }  // namespace pdserve_cpu

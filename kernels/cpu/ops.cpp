@@ -398,7 +398,9 @@ namespace pdserve_cpu {
 // [N, S, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 -> out [B, Hq, D]. Keys before
 // a sliding window (window > 0) are skipped. Per (sequence, query head): scores, softmax,
 // weighted sum of values, each one pass over the context read through the block table in
-// runs of consecutive slots.
+// runs of consecutive slots. Built with AVX-512 and D a multiple of 16 (up to 128), the
+// work goes to decode_attention_x16.cpp instead, which serves a verify's rows of one
+// sequence together and computes every row as it would alone.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
@@ -440,6 +442,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  if (pdserve_cpu::decode_attention_x16(qp, q.stride(0), b, hq, hkv, d, kc, vc, shift, tables,
+                                        m, lens, fscale, window, op))
+    return out;
   const int64_t row = hkv * d;  // floats per cache slot
   int64_t threads = at::get_num_threads();
   if (b * hkv >= 2 * threads) {

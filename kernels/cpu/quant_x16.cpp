@@ -57,6 +57,10 @@ constexpr int64_t kLanes = 16;
 // loadtest/bench_quant.py measured 8 / 4 and 2 / 1 no faster on SmolLM2's shapes.
 constexpr int kSingleRowBlocks = 4;
 constexpr int kTileBlocks = 2;
+// Rows of x per pass over the weights: 5-8 rows take one n-block at a time (8 int32 and 8
+// float32 accumulators), so a speculative verify of up to 7 guesses unpacks each weight once
+// (3-7 % faster at 5-9 rows than a 4-row and a 1-row pass, loadtest/bench_quant.py).
+constexpr int kMaxTileRows = 8;
 
 struct Dims16 {
   int64_t M, K, N, G;
@@ -243,7 +247,7 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
   }
 }
 
-// Rows of x in tiles of up to 4 against n-blocks [j0, j1).
+// Rows of x in a tile of up to kMaxTileRows against n-blocks [j0, j1).
 template <bool Q4>
 void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
               const uint16_t* mins, const CodesX& qx, int64_t m0, const Dims16& d, float* out) {
@@ -264,8 +268,10 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
     case 3:
       for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(3, kTileBlocks) }
       break;
-    default:
+    case 4:
       for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(4, kTileBlocks) }
+      break;
+    default:
       break;
   }
   for (; j < j1; ++j) {
@@ -273,7 +279,11 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
       case 1: { PDSERVE_X16_TILE(1, 1) } break;
       case 2: { PDSERVE_X16_TILE(2, 1) } break;
       case 3: { PDSERVE_X16_TILE(3, 1) } break;
-      default: { PDSERVE_X16_TILE(4, 1) } break;
+      case 4: { PDSERVE_X16_TILE(4, 1) } break;
+      case 5: { PDSERVE_X16_TILE(5, 1) } break;
+      case 6: { PDSERVE_X16_TILE(6, 1) } break;
+      case 7: { PDSERVE_X16_TILE(7, 1) } break;
+      default: { PDSERVE_X16_TILE(8, 1) } break;
     }
   }
 #undef PDSERVE_X16_TILE
@@ -295,8 +305,8 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   const int64_t num_quads = (d.num_blocks() + 3) / 4;
   pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
     const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
-    for (int64_t m0 = 0; m0 < d.M; m0 += 4) {
-      const int rows = static_cast<int>(std::min<int64_t>(4, d.M - m0));
+    for (int64_t m0 = 0; m0 < d.M; m0 += kMaxTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, d.M - m0));
       run_rows<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
     }
   });

@@ -209,6 +209,13 @@ def test_write_kv_argument_checks(ops: ModuleType) -> None:
 # -- paged decode attention -------------------------------------------------------------------
 
 
+def _has_avx512() -> bool:
+    """Whether decode_attention_x16.cpp's path is built (with the x16 matmuls' target)."""
+    from kernels.cpu import available, load
+
+    return available() and bool(load().has_x16())
+
+
 def _paged_cache(
     seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
     window: int, gen: torch.Generator,
@@ -313,6 +320,39 @@ def test_both_task_splits_agree(ops: ModuleType) -> None:
     with num_threads(4):
         by_q_head = ops.paged_decode_attention(*args)
     torch.testing.assert_close(by_kv_head, by_q_head, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 attention path is not built here")
+def test_a_row_computes_the_same_bits_alone_in_a_verify_group_and_in_a_batch(
+    ops: ModuleType, block_size: int, window: int
+) -> None:
+    """A speculative verify is rows of one sequence (one table, lengths one apart) that
+    the AVX-512 path serves together; each row's output must be the bits that row gives
+    alone, on any thread count, so verified tokens are plain decoding's. Rows: sequence A
+    at 61..65 (a group), B at 7, A at 61 again (another group), C at 33."""
+    gen = _gen(11)
+    k_cache, v_cache, tables, dense_k, dense_v = _paged_cache([65, 7, 33], 2, 64, block_size,
+                                                              0, gen)  # fmt: skip
+    rows = [0, 0, 0, 0, 0, 1, 0, 2]
+    lens = torch.tensor([61, 62, 63, 64, 65, 7, 61, 33], dtype=torch.int32)
+    q = torch.randn(len(rows), 6, 64, generator=gen)
+    table_rows = tables[rows].contiguous()
+    with num_threads(2):
+        batch = ops.paged_decode_attention(q, k_cache, v_cache, table_rows, lens, 0.125, window)
+    for threads in (1, 2, 4):
+        with num_threads(threads):
+            for i, r in enumerate(rows):
+                alone = ops.paged_decode_attention(q[i : i + 1].contiguous(), k_cache, v_cache,
+                                                   tables[r : r + 1].contiguous(), lens[i : i + 1],
+                                                   0.125, window)  # fmt: skip
+                assert torch.equal(alone[0], batch[i]), (threads, i)
+    for i, r in enumerate(rows):  # and right: the float64 reference over the row's context
+        n = int(lens[i])
+        ref = dense_attention(q[i : i + 1], dense_k[r][:n], dense_v[r][:n], 0.125,
+                              window or None)[0]  # fmt: skip
+        assert (batch[i] - ref).abs().max().item() < 2e-5, i
 
 
 def test_decode_matches_the_torch_backend(ops: ModuleType) -> None:
