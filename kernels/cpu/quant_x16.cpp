@@ -98,6 +98,8 @@ struct CodesX {
   std::vector<float> xsum;     // [M, K / G], each / dx (zero when dx is)
 };
 
+#ifdef PDSERVE_X16
+
 CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums) {
   CodesX q;
   q.codes.resize(d.M * d.K);
@@ -105,33 +107,29 @@ CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums) {
   if (with_sums) q.xsum.assign(d.M * d.num_groups(), 0.f);
   for (int64_t m = 0; m < d.M; ++m) {
     const float* row = x + m * d.K;
-    float absmax = 0.f;
-    for (int64_t k = 0; k < d.K; ++k) absmax = std::max(absmax, std::fabs(row[k]));
-    const float dx = absmax / 32767.f;
-    const float inv = absmax > 0.f ? 32767.f / absmax : 0.f;
-    q.dx[m] = dx;
     int16_t* out = q.codes.data() + m * d.K;
-#ifdef PDSERVE_X16
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (int64_t k = 0; k < d.K; k += 16) {  // K is a multiple of 32
+    // K is a multiple of 32: whole vectors. Group sums add the group's vectors in order,
+    // then their lanes (a fixed order, whatever the row's place in the batch).
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < d.K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    const float absmax = _mm512_reduce_max_ps(vmax);
+    const float dx = absmax / 32767.f;
+    const __m512 vinv = _mm512_set1_ps(absmax > 0.f ? 32767.f / absmax : 0.f);
+    for (int64_t k = 0; k < d.K; k += 16) {
       const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), vinv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(c));
     }
-#else
-    for (int64_t k = 0; k < d.K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
-#endif
     if (with_sums) {
       for (int64_t g = 0; g < d.num_groups(); ++g) {
-        float s = 0.f;
-        for (int64_t k = g * d.G; k < (g + 1) * d.G; ++k) s += row[k];
-        q.xsum[m * d.num_groups() + g] = absmax > 0.f ? s / dx : 0.f;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t k = g * d.G; k < (g + 1) * d.G; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(row + k));
+        q.xsum[m * d.num_groups() + g] = absmax > 0.f ? _mm512_reduce_add_ps(s) / dx : 0.f;
       }
     }
+    q.dx[m] = dx;
   }
   return q;
 }
-
-#ifdef PDSERVE_X16
 
 inline __m512i pair_of(const int16_t* p) {  // (p[0], p[1]) in every 32-bit lane
   int32_t bits;
