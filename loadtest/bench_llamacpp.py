@@ -59,7 +59,7 @@ BUILD_SCRIPT = REPO / "loadtest" / "baselines" / "build_llama_server.sh"
 FORMATS = ("gguf", "int4", "int8", "none")
 # pdserve up flags of each topology; --up-args are added to every one.
 TOPOLOGIES = {
-    "default": [],  # pdserve up as it starts by default (1 prefill + 1 decode worker)
+    "default": [],  # pdserve up as it starts by default (on 2 cores: 1 decode worker alone)
     "pd": ["--prefill", "1", "--decode", "1"],  # disaggregated: one core per worker here
     "decode-only": ["--prefill", "0", "--decode", "1"],  # one worker prefills locally
 }
@@ -349,12 +349,12 @@ def alternating_rounds(
 
 
 def worker_counts(up_args: Sequence[str]) -> tuple[int, int]:
-    """(prefill, decode) workers these ``pdserve up`` flags start (its defaults: 1 and 1)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--prefill", type=int, default=1)
-    parser.add_argument("--decode", type=int, default=1)
-    known, _ = parser.parse_known_args(list(up_args))
-    return known.prefill, known.decode
+    """(prefill, decode) workers these ``pdserve up`` flags start on this machine."""
+    from pdserve.cli.commands.up import num_prefill_workers
+    from pdserve.cli.main import build_parser
+
+    args = build_parser().parse_args(["up", *up_args])
+    return num_prefill_workers(args), args.decode
 
 
 def status_json(target: str, env: dict[str, str]) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system
 PROMPT="${1:-What is the capital of France? Answer in one sentence.}"
-.venv/bin/pdserve up --detach
+# One prefill and one decode worker, the disaggregated stack (on a 2-core machine the
+# default is a decode worker alone, which prefills locally: README, "Using it").
+.venv/bin/pdserve up --detach --prefill 1 --decode 1
 trap '.venv/bin/pdserve down' EXIT
 .venv/bin/pdserve generate --max-tokens 64 "$PROMPT"
 .venv/bin/pdserve status

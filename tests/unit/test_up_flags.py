@@ -79,6 +79,23 @@ def test_workers_share_the_cores_out_unless_told(monkeypatch: pytest.MonkeyPatch
     assert engine_config_from_args(worker, "model").num_threads == 3
 
 
+def test_a_small_machine_starts_no_prefill_worker_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdserve.cli.commands.up import num_prefill_workers
+
+    parser = build_parser()
+    for cores, default in ((1, 0), (2, 0), (3, 1), (8, 1)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)),
+                            raising=False)  # fmt: skip
+        assert num_prefill_workers(parser.parse_args(["up"])) == default, cores
+        assert num_prefill_workers(parser.parse_args(["up", "--prefill", "2"])) == 2
+        assert num_prefill_workers(parser.parse_args(["up", "--prefill", "0"])) == 0
+    # On 2 cores the decode worker alone takes both.
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert threads_per_worker(parser.parse_args(["up"])) == 2
+
+
 def test_num_threads_comes_from_the_flag_or_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
