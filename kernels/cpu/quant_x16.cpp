@@ -300,12 +300,16 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
   // Chunks of 4 n-blocks (64 outputs) so every tile's pass is whole.
+  // Rows in passes of near-equal size, none over kMaxTileRows: 9 rows go as 5 + 4, not as
+  // 8 and a lone row (whose pass unpacks every weight for one row).
   const int64_t num_quads = (d.num_blocks() + 3) / 4;
+  const int64_t passes = (d.M + kMaxTileRows - 1) / kMaxTileRows;
   pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
     const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
-    for (int64_t m0 = 0; m0 < d.M; m0 += kMaxTileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, d.M - m0));
+    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+      const int rows = static_cast<int>((d.M - m0) / (passes - p));
       run_rows<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
+      m0 += rows;
     }
   });
 #else
