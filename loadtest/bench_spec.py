@@ -41,7 +41,10 @@ from common.engine.llm import LLM
 from common.models.default_model import default_model_dir
 from tests.prompts import QUESTIONS, passage
 
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+DEFAULT_SPEC = (
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 8, '
+    '"prompt_lookup_min": 2}'
+)
 
 _DOC = (
     "Release notes, version 2.4. The scheduler now admits requests in arrival order and "
