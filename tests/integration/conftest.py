@@ -82,15 +82,18 @@ def up_stack(
     *up_args: str,
     kind: type[S] = Stack,  # type: ignore[assignment]
     env_drop: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[S]:
     """``pdserve up --detach`` with 2 prefill and 2 decode workers in a run directory of its
-    own, plus ``up_args``; ``pdserve down`` at the end."""
+    own, plus ``up_args`` (and ``env_extra`` in its environment); ``pdserve down`` at the
+    end."""
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: run scripts/setup_system.sh")
     run_dir = tmp_path_factory.mktemp(name)
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir), "PDSERVE_LOG_LEVEL": "INFO"}
     for key in env_drop:
         env.pop(key, None)
+    env.update(env_extra or {})
     port = free_port()
     stack = kind(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(

@@ -6,13 +6,15 @@ and seeded requests give the same tokens and text (the verify rows compute as de
 and the sampler draws at each position as a plain step would); a stop string inside a
 burst of accepted tokens ends the text and the usage where one token per message would; a
 request can turn speculation off; and a decode worker SIGKILLed while its streams
-speculate loses and repeats nothing. The decode workers' metrics show what was kept.
+speculate loses and repeats nothing. The decode workers' metrics, and each request's decode
+span, show what was proposed and kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,14 +27,18 @@ from common.engine.llm import LLM
 from common.telemetry.metrics import scrape
 from common.text.detokenizer import IncrementalDetokenizer
 from pdserve.client import GatewayClient, RemoteCompletion, collect
+from pdserve.common.v1 import common_pb2
+from pdserve.gateway.v1 import gateway_pb2
 from tests.integration.conftest import Stack, up_stack
 from tests.integration.test_decode_migration import (
     SHORT_PUT_EXPIRY,
     assert_nothing_held,
     running_decode_worker,
 )
+from tests.integration.test_tracing import generate
 from tests.near_ties import NearTies
 from tests.prompts import passage
+from tests.telemetry.otlp_receiver import INTERNAL, OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +55,23 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def spec_stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spans() -> Iterator[OtlpReceiver]:
+    """Where the speculating stack's processes export their spans."""
+    receiver = OtlpReceiver()
+    receiver.start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_stack(
+    smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory, spans: OtlpReceiver
+) -> Iterator[Stack]:
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": spans.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with up_stack(
         smollm_dir, tmp_path_factory, "spec", "--kv-cache-memory", "256MiB",
         "--speculative-config", SPEC, "--drain-grace-s", "1", *SHORT_PUT_EXPIRY, env_drop=("PDSERVE_METRICS_PORT",),
+        env_extra=otel,
     ) as stack:  # fmt: skip
         yield stack
 
@@ -138,6 +157,38 @@ def test_a_stop_string_inside_a_burst_ends_text_and_usage_there(
     assert got.token_ids == want.token_ids[:num_tokens]
     assert got.completion_tokens == num_tokens
     assert len(got.logprobs) == num_tokens
+
+
+def test_the_decode_span_says_what_was_proposed_and_kept(
+    spec_stack: Stack, spans: OtlpReceiver, llm: LLM
+) -> None:
+    """One greedy copy request in a trace of the test's own: its decode span carries the
+    rounds, guesses and kept guesses of that request, which account for its tokens."""
+    trace_id = secrets.token_hex(16)
+    request = gateway_pb2.GenerateRequest(
+        request_id="spec-span-1",
+        token_ids=gateway_pb2.TokenIds(ids=llm.encode(PROMPTS[3])),
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    responses = generate(spec_stack, request, (("traceparent", traceparent),))
+    sizes = [len(r.token_ids) for r in responses if r.token_ids]
+    assert sum(sizes) == MAX_TOKENS and max(sizes) > 1  # bursts reached the client
+
+    def decoded(found: list[ReceivedSpan]) -> bool:
+        return any(s.service == "pdserve-decode" and s.name == "decode" for s in found)
+
+    (decode,) = [s for s in spans.wait_for(decoded, trace_id)
+                 if s.service == "pdserve-decode" and s.name == "decode" and s.kind == INTERNAL]  # fmt: skip
+    attrs = decode.attributes
+    rounds, proposed, kept = (attrs[f"pdserve.spec.{k}"]
+                              for k in ("rounds", "draft_tokens", "accepted_tokens"))  # fmt: skip
+    assert rounds > 0 and 0 < kept <= proposed <= 4 * rounds  # 4 guesses a round at most
+    assert attrs["pdserve.spec.mean_acceptance_length"] == pytest.approx(1 + kept / rounds)
+    # Every token after the first (the prefill's) came from a plain step or a round: a
+    # round yields its kept guesses and one more, so there were fewer steps than tokens.
+    assert rounds + kept <= MAX_TOKENS - 1
+    assert attrs["pdserve.tokens_generated"] == MAX_TOKENS - 1
 
 
 def test_a_request_can_turn_speculation_off(spec_stack: Stack, llm: LLM) -> None:
