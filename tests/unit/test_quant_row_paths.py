@@ -116,6 +116,19 @@ def _run(engine: Engine, watched: str, joins: dict[int, tuple[str, list[int]]]) 
     return tokens, logits
 
 
+def _assert_alike(
+    ckpt: Path, alone_tokens: list[int], alone: list[torch.Tensor], mixed_tokens: list[int],
+    mixed: list[torch.Tensor],
+) -> None:  # fmt: skip
+    """The same tokens; a llama's logits the same bits, an MoE's close (module docstring)."""
+    assert mixed_tokens == alone_tokens
+    for step, (a, b) in enumerate(zip(alone, mixed, strict=True)):
+        if ckpt.name == "llama":
+            assert torch.equal(a, b), (step, (a - b).abs().max().item())
+        else:
+            assert (a - b).abs().max() <= 1e-2 * a.abs().max(), step
+
+
 def test_a_decode_row_computes_alike_alone_and_beside_a_long_prefill(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,12 +141,7 @@ def test_a_decode_row_computes_alike_alone_and_beside_a_long_prefill(
     mixed_tokens, mixed = _run(_engine(ckpt), "r", {0: ("r", short), 3: ("long", long)})
     assert LONG in spy.dense  # the long prompt's rows went dense ...
     assert 1 in spy.packed  # ... and r's row beside them packed, in the same step
-    assert mixed_tokens == alone_tokens
-    for step, (a, b) in enumerate(zip(alone, mixed, strict=True)):
-        if ckpt.name == "llama":
-            assert torch.equal(a, b), (step, (a - b).abs().max().item())
-        else:
-            assert (a - b).abs().max() <= 1e-2 * a.abs().max(), step
+    _assert_alike(ckpt, alone_tokens, alone, mixed_tokens, mixed)
 
 
 def test_generated_tokens_recomputed_after_a_migration_take_the_packed_path(
@@ -188,9 +196,4 @@ def test_x16_weights_take_the_packed_kernel_for_every_row(
     alone_tokens, alone = _run(_engine(ckpt), "r", {0: ("r", short)})
     mixed_tokens, mixed = _run(_engine(ckpt), "r", {0: ("r", short), 3: ("long", long)})
     assert not spy.dense and LONG + 1 in spy.packed  # r's row and the long prompt's, packed
-    assert mixed_tokens == alone_tokens
-    for step, (a, b) in enumerate(zip(alone, mixed, strict=True)):
-        if ckpt.name == "llama":
-            assert torch.equal(a, b), (step, (a - b).abs().max().item())
-        else:
-            assert (a - b).abs().max() <= 1e-2 * a.abs().max(), step
+    _assert_alike(ckpt, alone_tokens, alone, mixed_tokens, mixed)

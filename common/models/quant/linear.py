@@ -8,7 +8,7 @@ Activations stay float32 in and out; what computes the product is the engine's c
   CPU with AVX-512 BW / VL and VNNI, a weight whose rows come in sixteens is repacked once
   into the x16 layout (``Q4Weight.to_x16``; 16 rows interleaved) for int16 activation
   codes, and its kernel takes every row count: it beat dequantize-and-GEMM up to 512 rows
-  and was within 10 % of it at 1024 (loadtest/bench_quant.py), so such a weight has one
+  and was 12 % slower at 1024 (1385 against 1242 ms for 30 layers, 2 threads), so such a weight has one
   path and the rest of this paragraph does not apply to it. Elsewhere, for many rows
   (prefill) the weight is instead dequantized in chunks of rows and multiplied
   by torch's float32 GEMM, which is faster from ``DENSE_MIN_ROWS`` rows (measured in
