@@ -38,7 +38,7 @@ import torch
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
-from common.models.default_model import default_model_dir
+from common.models.default_model import resolve_model
 from tests.prompts import QUESTIONS, passage
 
 DEFAULT_SPEC = (
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write every round's figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = str(default_model_dir())
+    model = resolve_model(None)  # converted (and its GGUF linked) on first use
     quant = {"quantization": args.quantization} if args.quantization else {}
     none = LLM(EngineConfig(model=model, num_threads=args.threads, **quant))
     spec = LLM(EngineConfig(model=model, num_threads=args.threads, **quant,
