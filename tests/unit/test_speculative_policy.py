@@ -119,3 +119,22 @@ def test_a_batch_grants_its_best_guesses_first_while_rows_pay() -> None:
     assert granted[0] == 4 and granted[2] == 3  # 0.99^4 = 0.96; 0.95^3 = 0.857, ^4 0.815
     # One sequence (8.2 ms a token): 2.2 / 8.2 = 0.27, so 0.5 gets 1 (0.5^2 = 0.25).
     assert allocate(rates, 1, cost)[:3] == [4, 1, 4]
+
+
+def test_a_large_batch_prices_its_rows_by_the_line_not_by_noisy_neighbours() -> None:
+    """At 16 sequences the means of 16, 17 and 18 rows are a few noisy steps each (here one
+    row looks free, the next dear); the rows are priced by the fitted line instead, so the
+    grants follow alpha^j >= row * batch / step(batch) as on a clean line."""
+    from common.engine.speculative.policy import LINE_BATCH, allocate
+
+    cost = _cost(6.0, 2.2)
+    for _ in range(StepCost.MIN_SEEN):
+        cost.add(16, 6.0 + 2.2 * 16 + 1.0)
+        cost.add(17, 6.0 + 2.2 * 16 - 0.8)  # "a free row"
+        cost.add(18, 6.0 + 2.2 * 18 + 3.0)  # "a dear one"
+    base, row = cost.line()
+    bound = row * 16 / (base + row * 16)
+    for alpha in (0.8, 0.9, 0.95, 0.99):
+        want = min(4, math.floor(math.log(bound) / math.log(alpha)))
+        assert allocate([(alpha, 4)] + [(0.0, 4)] * 15, 16, cost)[0] == want, alpha
+    assert LINE_BATCH <= 16  # the batch above is one the line prices
