@@ -142,6 +142,12 @@ def load(verbose: bool = False) -> ModuleType:
         return _module
 
 
+def loaded() -> ModuleType | None:
+    """The extension if this process has loaded it already, else None (never builds): for
+    callers that take a kernel only where the engine's path brought them in."""
+    return _module
+
+
 def available() -> bool:
     try:
         load()

@@ -440,6 +440,56 @@ def test_silu_and_mul_matches_torch(ops: ModuleType, intermediate: int, num_toke
         ops.silu_and_mul(gate_up.t())
 
 
+# -- argmax ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 1000, 49152])
+def test_argmax_rows_picks_what_torch_picks(ops: ModuleType, width: int) -> None:
+    """The first index of each row's maximum, ties and all; a row's first NaN if it has
+    one; index 0 of a row of -inf; rows strided inside a wider (padded) matrix."""
+    gen = _gen(width)
+    wide = torch.randn(6, width + 5, generator=gen)
+    x = wide[:, :width]
+    x[1] = torch.round(x[1])  # many ties
+    x[2, width // 2 :] = x[2].max() + 1  # a tie at the maximum, in the second half
+    x[3] = float("-inf")
+    if width > 2:
+        x[4, width - 2] = float("nan")
+        x[4, width - 1] = float("nan")
+    x[5, -1] = float("inf")
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.long
+    assert torch.equal(got, x.argmax(dim=-1)), (got, x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.argmax_rows(x.t())
+
+
+def test_the_sampler_takes_the_kernels_argmax_once_loaded(ops: ModuleType) -> None:
+    from common.contract.sampling import SamplingParams
+    from common.engine import sampler as sampler_module
+
+    class Row:
+        sampling = SamplingParams(max_tokens=1)
+        seed, token_ids, output_token_ids, num_output_tokens = 0, [1], [], 0
+        stop_ids: frozenset[int] = frozenset()
+        request_id = "r"
+
+    logits = torch.randn(3, 70, generator=_gen(70))
+    called = []
+    real = ops.argmax_rows
+
+    class Spy:
+        def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+            called.append(x.shape)
+            return real(x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler_module, "loaded", lambda: Spy())
+        result = sampler_module.Sampler(64)(logits, [Row()] * 3)
+    assert called == [(3, 64)]
+    assert result.token_ids == logits[:, :64].argmax(dim=-1).tolist()
+
+
 # -- the backend and the engine ---------------------------------------------------------------
 
 
