@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.engine.attention.base import AttentionBatch, LayerKV
 from common.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
@@ -45,6 +46,8 @@ class CppAttentionMetadata(TorchAttentionMetadata):
     # context up to and including its own token).
     row_tables: torch.Tensor
     row_lens: torch.Tensor
+    # The torch backend's metadata, built by the first layer that falls back to it.
+    torch_metadata: TorchAttentionMetadata | None = None
 
 
 def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +62,11 @@ def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         for q_len, seq_len in zip(q_lens, batch.prefill_seq_lens_host, strict=True)
     ])  # fmt: skip
     decode_tables = batch.decode_block_tables
-    if not batch.num_decode_tokens:
-        return prefill_tables.contiguous(), prefill_lens
     width = max(decode_tables.shape[1], prefill_tables.shape[1])
-    tables = torch.zeros(
-        decode_tables.shape[0] + prefill_tables.shape[0], width, dtype=torch.int32
-    )
-    tables[: decode_tables.shape[0], : decode_tables.shape[1]] = decode_tables
-    tables[decode_tables.shape[0] :, : prefill_tables.shape[1]] = prefill_tables
+    tables = torch.cat([
+        F.pad(decode_tables, (0, width - decode_tables.shape[1])),
+        F.pad(prefill_tables, (0, width - prefill_tables.shape[1])),
+    ])  # fmt: skip
     return tables, torch.cat([batch.decode_seq_lens, prefill_lens])
 
 
@@ -121,14 +121,13 @@ class CppAttentionBackend(TorchAttentionBackend):
         metadata: CppAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """The torch backend's path (quantized caches), its gather ids and masks built now."""
-        batch = metadata.batch
-        block_ids, decode_mask = self._prepare_decodes(batch, metadata.block_size)
-        prefill_block_ids, prefill_masks = self._prepare_prefills(batch, metadata.block_size)
-        full = TorchAttentionMetadata(
-            batch, block_ids, decode_mask, prefill_block_ids, prefill_masks
-        )
-        return super().forward(q, k, v, kv, full, scale)
+        """The torch backend's path (quantized caches), its gather ids and masks built once a
+        step, by the first layer that needs them."""
+        if metadata.torch_metadata is None:
+            metadata.torch_metadata = TorchAttentionBackend.prepare(
+                self, metadata.batch, metadata.block_size
+            )
+        return super().forward(q, k, v, kv, metadata.torch_metadata, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32:
