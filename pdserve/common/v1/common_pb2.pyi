@@ -31,6 +31,8 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_BLOCK_STORE: _ClassVar[WorkerRole]
     WORKER_ROLE_GATEWAY: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PLANNER: _ClassVar[WorkerRole]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -47,6 +49,8 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_BLOCK_STORE: WorkerRole
 WORKER_ROLE_GATEWAY: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PLANNER: WorkerRole
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "disable_speculation", "min_tokens", "structured_output", "kv_eviction", "kv_compression")
@@ -193,7 +197,7 @@ class KvHandle(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., hash_scheme_version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., weight_format: _Optional[str] = ..., kept_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining", "weight_format", "endpoints")
+    __slots__ = ("worker_id", "role", "address", "model", "num_kv_blocks_total", "num_kv_blocks_free", "num_running_requests", "num_waiting_requests", "prefix_cache_hit_rate", "pid", "draining", "weight_format", "endpoints", "profile", "role_since_unix_ms", "num_role_changes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +211,9 @@ class WorkerStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -220,4 +227,81 @@ class WorkerStatus(_message.Message):
     draining: bool
     weight_format: str
     endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., weight_format: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    profile: WorkerProfile
+    role_since_unix_ms: int
+    num_role_changes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., weight_format: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., profile: _Optional[_Union[WorkerProfile, _Mapping]] = ..., role_since_unix_ms: _Optional[int] = ..., num_role_changes: _Optional[int] = ...) -> None: ...
+
+class WorkerProfile(_message.Message):
+    __slots__ = ("model", "weight_format", "num_threads", "device", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_samples", "decode_samples", "prefill_fit", "decode_fit", "measured_unix_ms", "measure_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    weight_format: str
+    num_threads: int
+    device: str
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    prefill_samples: _containers.RepeatedCompositeFieldContainer[PrefillSample]
+    decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
+    prefill_fit: PrefillFit
+    decode_fit: DecodeFit
+    measured_unix_ms: int
+    measure_ms: float
+    def __init__(self, model: _Optional[str] = ..., weight_format: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefill_samples: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., prefill_fit: _Optional[_Union[PrefillFit, _Mapping]] = ..., decode_fit: _Optional[_Union[DecodeFit, _Mapping]] = ..., measured_unix_ms: _Optional[int] = ..., measure_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillSample(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "ms")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class DecodeSample(_message.Message):
+    __slots__ = ("batch_size", "context_tokens", "step_ms")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    context_tokens: int
+    step_ms: float
+    def __init__(self, batch_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillFit(_message.Message):
+    __slots__ = ("base_ms", "per_token_ms", "per_attended_token_ms")
+    BASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_ATTENDED_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    base_ms: float
+    per_token_ms: float
+    per_attended_token_ms: float
+    def __init__(self, base_ms: _Optional[float] = ..., per_token_ms: _Optional[float] = ..., per_attended_token_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeFit(_message.Message):
+    __slots__ = ("base_ms", "per_sequence_ms", "per_context_token_ms")
+    BASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_SEQUENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_CONTEXT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    base_ms: float
+    per_sequence_ms: float
+    per_context_token_ms: float
+    def __init__(self, base_ms: _Optional[float] = ..., per_sequence_ms: _Optional[float] = ..., per_context_token_ms: _Optional[float] = ...) -> None: ...
