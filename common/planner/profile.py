@@ -18,6 +18,7 @@ JSON (a file, and Redis: ``common/index/profiles.py``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -253,7 +254,7 @@ class WorkerProfile:
         )
 
 
-def _nonnegative_lstsq(rows: list[tuple[float, ...]], targets: list[float]) -> list[float]:
+def _nonnegative_lstsq(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
     """Least squares with every coefficient >= 0: the unconstrained solution, then, while a
     coefficient is negative, the best fit without the most negative one (the active set of
     a 3-term fit is found in at most 3 rounds)."""
