@@ -72,6 +72,20 @@ class DrainingError(UnavailableError):
     reason = "DRAINING"
 
 
+class RoleChangedError(UnavailableError):
+    """This engine worker does not serve the role the call needs (any more): its role
+    changed in place (``pdserve role``, the planner). A decode stream it ended continues on
+    another decode worker; a prefill goes to another prefill worker."""
+
+    reason = "ROLE_CHANGED"
+
+
+class PermissionDeniedError(PdserveError):
+    """The caller is authenticated but may not make this call."""
+
+    reason = "PERMISSION_DENIED"
+
+
 class AlreadyExistsError(PdserveError):
     reason = "ALREADY_EXISTS"
 

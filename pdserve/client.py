@@ -13,8 +13,9 @@ import grpc
 
 from common.contract.sampling import SamplingParams
 from common.rpc.channels import create_channel
+from common.rpc.roles import ROLE_PB
 from pdserve.common.v1 import common_pb2
-from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pdserve.gateway.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -46,6 +47,7 @@ class GatewayClient:
         credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
         self.channel = create_channel(target, credentials)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self.metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key else ()
         )
@@ -89,6 +91,19 @@ class GatewayClient:
             gateway_pb2.GetClusterStatusRequest(), timeout=timeout_s, metadata=self.metadata
         )
         return reply
+
+    async def set_worker_role(
+        self, worker_id: str, role: str, timeout_s: float = 60.0
+    ) -> admin_pb2.SetWorkerRoleResponse:
+        """Changes an engine worker's role in place (``role``: prefill, decode, both). Any
+        other name goes as WORKER_ROLE_UNSPECIFIED, which the gateway refuses with
+        INVALID_ARGUMENT naming the roles."""
+        value = ROLE_PB.get(role, common_pb2.WORKER_ROLE_UNSPECIFIED)
+        request = admin_pb2.SetWorkerRoleRequest(worker_id=worker_id, role=value)
+        response: admin_pb2.SetWorkerRoleResponse = await self.admin.SetWorkerRole(
+            request, timeout=timeout_s, metadata=self.metadata
+        )
+        return response
 
 
 def collect(result: RemoteCompletion, message: gateway_pb2.GenerateResponse) -> None:

@@ -147,7 +147,23 @@ class EngineLoop:
         self._commands.put(lambda: self._fail_all(exc))
         self._wake.set()
 
+    def fail(self, request_ids: list[str], exc: BaseException) -> None:
+        """Soon, on the engine thread: aborts those of ``request_ids`` still streaming
+        (freeing their blocks) and raises ``exc`` in their consumers (a worker whose role
+        changed ends the streams it decoded, so that they continue elsewhere)."""
+        self._commands.put(lambda: self._fail(request_ids, exc))
+        self._wake.set()
+
     # -- engine thread ------------------------------------------------------------------------
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue
+            self._owners.pop(request_id, None)
+            self.engine.abort(request_id)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
 
     def _abort(self, request_id: str) -> bool:
         self._streams.pop(request_id, None)

@@ -12,7 +12,7 @@ from common.index import keys
 @dataclass
 class WorkerInfo:
     worker_id: str
-    role: str  # prefill | decode | blockstore | gateway
+    role: str  # prefill | decode | both | blockstore | gateway | planner
     address: str
     model: str = ""
     num_kv_blocks_total: int = 0
@@ -31,6 +31,14 @@ class WorkerInfo:
     # The weight format's KV identity ("" = float weights): KV moves only between workers
     # with the same one, and the gateway hashes a prompt with it (common/kv/hashing.py).
     weights: str = ""
+    # Its Prometheus endpoint's port on the address's host; 0 = none (the planner scrapes it).
+    metrics_port: int = 0
+    # When an engine worker took its current role (unix ms; pdserve role, the planner).
+    role_since_unix_ms: int = 0
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
 
     def to_redis(self) -> dict[str, str]:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}

@@ -37,6 +37,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.DataLossError, grpc.StatusCode.DATA_LOSS),
     (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (asyncio.TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

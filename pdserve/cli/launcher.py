@@ -266,14 +266,16 @@ def tail(path: str, lines: int = 20) -> str:
         return "(no log)"
 
 
-# Gateway first (no new requests), then workers (drain), then the store and Redis.
-_STOP_ORDER = {"gateway": 0, "prefill": 1, "decode": 1, "blockstore": 2, "redis": 3}
+# The planner first (it changes nothing while the stack stops), the gateway (no new
+# requests), then workers (drain), then the store and Redis.
+_STOP_ORDER = {"planner": 0, "gateway": 1, "prefill": 2, "decode": 2, "both": 2,
+               "blockstore": 3, "redis": 4}  # fmt: skip
 
 
 def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
     groups: dict[int, list[Child]] = {}
     for child in children:
-        groups.setdefault(_STOP_ORDER.get(child.role, 1), []).append(child)
+        groups.setdefault(_STOP_ORDER.get(child.role, 2), []).append(child)
     for _, group in sorted(groups.items()):
         for child in group:
             _signal(child.pid, signal.SIGTERM)

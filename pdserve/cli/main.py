@@ -20,6 +20,7 @@ from pdserve.cli.commands import (
     health,
     perplexity,
     restart,
+    role,
     status,
     up,
     worker,
@@ -28,6 +29,7 @@ from pdserve.cli.commands import (
 COMMANDS = (
     up,
     restart,
+    role,
     generate,
     chat,
     status,

@@ -1,7 +1,8 @@
 """Gateway authentication: API keys, each naming a tenant, and the tenant's cache salt.
 
 Clients send ``authorization: Bearer KEY`` call metadata. With keys configured, every
-GatewayService call without a valid key ends UNAUTHENTICATED before its request is parsed;
+GatewayService and AdminService call without a valid key ends UNAUTHENTICATED before its
+request is parsed (AdminService then also wants an admin tenant's key: admin.py);
 health and reflection stay open (Kubernetes probes, grpcurl). Keys are held as SHA-256
 digests, so a lookup takes the same time whichever key is tried.
 
@@ -24,7 +25,7 @@ import grpc
 from common.errors import UnauthenticatedError
 from common.rpc.errors import abort
 
-GUARDED_PREFIX = "/pdserve.gateway.v1.GatewayService/"
+GUARDED_PREFIX = "/pdserve.gateway.v1."  # GatewayService and AdminService
 SCHEME = "bearer"
 
 
@@ -106,7 +107,7 @@ def tenant_cache_salt(tenant: str | None, client_salt: str) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Ends unauthenticated GatewayService calls with UNAUTHENTICATED, unparsed."""
+    """Ends unauthenticated calls of the guarded services with UNAUTHENTICATED, unparsed."""
 
     def __init__(
         self,

@@ -38,6 +38,8 @@ class GatewayConfig:
     # RESOURCE_EXHAUSTED before any parsing.
     max_request_bytes: int = 4 * MiB
     api_keys: ApiKeys | None = None  # None: authentication off, no tenants
+    # Tenants whose keys may call AdminService (role changes); with keys off, anyone may.
+    admin_tenants: frozenset[str] = frozenset()
     tls: TlsConfig | None = None  # mutual TLS towards workers (internal hops)
     public_tls: PublicTls | None = None  # TLS on the public port
     # A request whose decode stream breaks continues on another decode worker this many times.

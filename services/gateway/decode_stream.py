@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from common.contract.sampling import SamplingParams
-from common.errors import KvLoadError, PdserveError, UnavailableError
+from common.errors import KvLoadError, PdserveError, RoleChangedError, UnavailableError
 from common.index.registry import WorkerInfo
 from common.rpc.breaker import PEER_FAILURE_CODES
 from common.rpc.channels import ChannelPool, remaining_timeout
@@ -176,9 +176,14 @@ class DecodeStreamer:
             )
         except grpc.aio.AioRpcError as exc:
             span.failed(exc)
-            kv_load_failed = reason_of(exc) == KvLoadError.reason
-            if exc.code() in PEER_FAILURE_CODES and not kv_load_failed:
+            reason_given = reason_of(exc)
+            kv_load_failed = reason_given == KvLoadError.reason
+            # A worker that answered about the KV or its role is not failing.
+            answered = reason_given in (KvLoadError.reason, RoleChangedError.reason)
+            if exc.code() in PEER_FAILURE_CODES and not answered:
                 self.breakers.failure(decode_id)
+            if reason_given == RoleChangedError.reason:
+                self.directory.forget(decode_id)  # until the registry lists its new role
             error = downstream_error(exc, f"decode worker {decode_id}")
             # A worker told to fail when it cannot load the KV (--kv-load-failure fail) has
             # answered: that is the request's outcome, not a broken stream.
@@ -241,7 +246,7 @@ class DecodeStreamer:
                 }
             )
             target = None
-            if migrations.exhausted:
+            if migrations.exhausted_by(broken):
                 span.set_attribute("pdserve.migration.refused", "limit")
             else:
                 target = await self._pick(
@@ -261,7 +266,7 @@ class DecodeStreamer:
                 )
                 return None
             span.set_attribute("pdserve.migration.to_worker_id", target.worker_id)
-        migrations.count += 1
+        migrations.moved(broken)
         relay.num_migrations = migrations.count
         self.metrics.migrated(broken.reason)
         log.info(

@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 from common.errors import UnavailableError
 from common.index.registry import WorkerInfo, WorkerRegistry
+from common.planner.types import BOTH, DECODE, PREFILL
 from services.gateway.health import IndexHealth
 
 RECOVERY_GRACE_S = 6.0  # a registry TTL: every live worker has heartbeated by then
+FACE_ROLES = {PREFILL: (PREFILL, BOTH), DECODE: (DECODE, BOTH)}  # a call -> roles taking it
 
 
 class WorkerDirectory:
@@ -86,11 +88,12 @@ class WorkerDirectory:
         return self._workers
 
     async def by_role(self, role: str, model: str) -> list[WorkerInfo]:
-        """The workers that take new requests of ``model`` in ``role`` (not draining)."""
+        """The workers that take new ``role`` calls (prefill, decode) for ``model``: those
+        in that role or in both, not draining."""
         return [
             w
             for w in await self.workers()
-            if w.role == role and w.model == model and not w.draining
+            if w.role in FACE_ROLES[role] and w.model == model and not w.draining
         ]
 
     def forget(self, worker_id: str) -> None:

@@ -4,7 +4,8 @@ decode worker, and the client sees one stream.
 A stream is broken, and the request may migrate, when the worker goes silent (no message
 for ``--decode-stall-timeout-s``, and ``--prefill-timeout-s`` more before the first: a hung
 process, say SIGSTOPped, whose connection stays open), or when the Decode call ends with
-UNAVAILABLE (the worker died, the connection reset, or the worker is draining), CANCELLED
+UNAVAILABLE (the worker died, the connection reset, the worker is draining, or it left the
+decode role: reason ROLE_CHANGED), CANCELLED
 (not by us: our own cancellation never reaches here), UNKNOWN, INTERNAL or ABORTED, or
 ends OK without a final message; also with NOT_FOUND when the call carried a KV handle
 whose blocks are gone everywhere (the contract's answer: retry with local prefill). Every
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.errors import RoleChangedError
 from common.index.registry import WorkerInfo
 from common.rpc.errors import reason_of
 from pdserve.decode.v1 import decode_pb2
@@ -37,6 +39,7 @@ STREAM_ENDED = "stream_ended"  # the call ended OK without a final message
 KV_NOT_FOUND = "kv_not_found"  # the KV handle's blocks are gone: recompute instead
 DRAINING = "draining"  # the worker's drain grace period ended
 STALLED = "stalled"  # no message within the stall timeout: the worker hangs
+ROLE_CHANGED = "role_changed"  # the worker left the decode role (pdserve role, the planner)
 REASONS = (
     "unavailable",
     DRAINING,
@@ -47,6 +50,7 @@ REASONS = (
     STREAM_ENDED,
     KV_NOT_FOUND,
     STALLED,
+    ROLE_CHANGED,
 )
 
 _BROKEN_CODES = frozenset(
@@ -70,8 +74,9 @@ class StreamBroken(Exception):
 
     @property
     def worker_fault(self) -> bool:
-        """The worker failed (not just the KV it was handed): do not send it more."""
-        return self.reason != KV_NOT_FOUND
+        """The worker failed (not just the KV it was handed, nor a role it left): do not
+        send it more."""
+        return self.reason not in (KV_NOT_FOUND, ROLE_CHANGED)
 
 
 def broken_reason(error: grpc.aio.AioRpcError, had_kv_handle: bool) -> str | None:
@@ -80,6 +85,8 @@ def broken_reason(error: grpc.aio.AioRpcError, had_kv_handle: bool) -> str | Non
     if code in _BROKEN_CODES:
         if code is grpc.StatusCode.UNAVAILABLE and reason_of(error) == "DRAINING":
             return DRAINING
+        if code is grpc.StatusCode.UNAVAILABLE and reason_of(error) == RoleChangedError.reason:
+            return ROLE_CHANGED
         return code.name.lower()
     if code is grpc.StatusCode.NOT_FOUND and had_kv_handle:
         return KV_NOT_FOUND
@@ -103,10 +110,13 @@ def continuation(
 
 @dataclass
 class Migrations:
-    """One request's migrations so far, and the processes it must not go back to."""
+    """One request's migrations so far, and the processes it must not go back to. The limit
+    bounds the migrations after failures; a stream moved because its worker left the
+    decode role is not failing, and moves again as often as roles change."""
 
     limit: int
     count: int = 0
+    num_failures: int = 0  # migrations counted against the limit
     _broken: set[tuple[str, int]] = field(default_factory=set)  # (worker_id, pid)
 
     def broke(self, worker: WorkerInfo, broken: StreamBroken) -> None:
@@ -116,6 +126,10 @@ class Migrations:
     def allows(self, worker: WorkerInfo) -> bool:
         return (worker.worker_id, worker.pid) not in self._broken
 
-    @property
-    def exhausted(self) -> bool:
-        return self.count >= self.limit
+    def exhausted_by(self, broken: StreamBroken) -> bool:
+        return broken.reason != ROLE_CHANGED and self.num_failures >= self.limit
+
+    def moved(self, broken: StreamBroken) -> None:
+        self.count += 1
+        if broken.reason != ROLE_CHANGED:
+            self.num_failures += 1

@@ -16,9 +16,11 @@ import grpc
 from opentelemetry import trace
 
 from common.contract.sampling import SamplingParams
+from common.errors import RoleChangedError
 from common.index.registry import WorkerInfo
 from common.rpc.breaker import PEER_FAILURE_CODES
 from common.rpc.channels import ChannelPool, remaining_timeout
+from common.rpc.errors import reason_of
 from common.rpc.tracing import client_span
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.gateway.call import Call
@@ -98,7 +100,9 @@ class PrefillCaller:
                     for w in self.breakers.usable(
                         await self.directory.by_role("prefill", self.model)
                     )
-                    if w.worker_id not in tried and w.weights == route.decode.weights
+                    # Not the decode worker itself (role both): it prefills locally anyway.
+                    if w.worker_id not in tried | {route.decode.worker_id}
+                    and w.weights == route.decode.weights
                 ]
                 worker = (
                     self.router.best_prefill(
@@ -174,7 +178,10 @@ class PrefillCaller:
                     self.breakers.failure(worker.worker_id)
                     raise PrefillFailed(f"no answer within --prefill-timeout-s {hop:g}") from exc
                 if code in _FAILOVER_CODES:
-                    if code in PEER_FAILURE_CODES:
+                    if reason_of(exc) == RoleChangedError.reason:
+                        # It answered: it prefills no more (the registry will say so soon).
+                        self.directory.forget(worker.worker_id)
+                    elif code in PEER_FAILURE_CODES:
                         self.breakers.failure(worker.worker_id)
                     raise PrefillFailed(f"{code.name}: {exc.details()}") from exc
                 self.breakers.success(worker.worker_id)  # it answered, about the request

@@ -10,7 +10,9 @@ prefix do not all pile onto one worker.
 Decode: the fewest running sequences (plus in-flight calls), then the most free blocks.
 Conditional disaggregation: when what a decode worker would have to compute itself (the
 prompt minus its cached prefix) is under ``local_prefill_tokens``, or no prefill worker is
-alive, the decode worker prefills locally and no KV moves.
+alive, the decode worker prefills locally and no KV moves. A worker in the ``both`` role is
+among the prefill and the decode workers; when one is chosen for both hops it prefills
+locally (colocated).
 
 Policies (``--routing-policy``): ``prefix-aware`` as above; ``load`` ignores the prefix
 index (least load wins, ties spread by request hash); ``round-robin`` ignores index and load
@@ -39,6 +41,7 @@ LOCAL_PREFILL_SHORT = "local_prefill_short"  # the prompt is short: the decode w
 LOCAL_PREFILL_CACHED = "local_prefill_cached"  # a decode worker holds nearly all of it
 NO_PREFILL_WORKER = "no_prefill_worker"  # none is alive: the decode worker prefills
 ROUND_ROBIN = "round_robin"  # remote prefill on the next worker in turn (policy round-robin)
+COLOCATED = "colocated"  # the worker chosen to prefill is the decode worker (role both)
 REASONS = (
     PREFIX_OVERLAP,
     LOAD,
@@ -46,6 +49,7 @@ REASONS = (
     LOCAL_PREFILL_CACHED,
     NO_PREFILL_WORKER,
     ROUND_ROBIN,
+    COLOCATED,
 )
 POLICIES = ("prefix-aware", "load", "round-robin")
 
@@ -118,6 +122,8 @@ class Router:
                 reason = NO_PREFILL_WORKER if not prefills else LOCAL_PREFILL_SHORT
                 return Route(decode, None, overlap.get(decode.worker_id, 0), reason)
             prefill = self._next_in_turn("prefill", prefills)
+            if prefill.worker_id == decode.worker_id:
+                return Route(decode, None, overlap.get(decode.worker_id, 0), COLOCATED)
             return Route(decode, prefill, overlap.get(prefill.worker_id, 0), ROUND_ROBIN)
         if self.policy == "load":
             overlap = {}
@@ -136,9 +142,12 @@ class Router:
             return Route(target, None, overlap.get(target.worker_id, 0), reason)
 
         prefill = self.best_prefill(request_id, prompt_len, overlap, prefills)
+        decode = min(decodes, key=decode_key)
+        if prefill.worker_id == decode.worker_id:
+            return Route(decode, None, overlap.get(decode.worker_id, 0), COLOCATED)
         overlap_blocks = overlap.get(prefill.worker_id, 0)
         reason = PREFIX_OVERLAP if overlap_blocks else LOAD
-        return Route(min(decodes, key=decode_key), prefill, overlap_blocks, reason)
+        return Route(decode, prefill, overlap_blocks, reason)
 
     def best_prefill(
         self,

@@ -21,7 +21,8 @@ from common.index.registry import WorkerInfo, WorkerRegistry
 from common.rpc.interceptors import RpcMetrics, TelemetryInterceptor
 from common.rpc.server import Server, Started, create_server, serve_process
 from common.text.tokenizer import Tokenizer
-from pdserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pdserve.gateway.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from services.gateway.admin import AdminServicer
 from services.gateway.auth import AuthInterceptor
 from services.gateway.config import GatewayConfig
 from services.gateway.directory import WorkerDirectory
@@ -55,9 +56,15 @@ async def start_gateway(
     def register(server: grpc.aio.Server) -> None:
         servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "", metrics)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(servicer, config.admin_tenants), server
+        )
         holder.append(servicer)
 
-    names = [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+    names = [
+        gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    ]
     rpc_metrics = RpcMetrics(metrics_registry)  # one set of RPC metrics for both gRPC ports
     interceptors: list[grpc.aio.ServerInterceptor] = [TelemetryInterceptor(rpc_metrics)]
     if config.api_keys is not None:
@@ -151,6 +158,7 @@ async def _heartbeat(registry: WorkerRegistry, servicer: GatewayServicer) -> Non
                     model=servicer.model,
                     num_running=servicer.num_in_flight,
                     pid=os.getpid(),
+                    metrics_port=servicer.config.metrics_port,
                 )
             )
             servicer.health.ok()

@@ -49,7 +49,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_call import PrefillCaller, RoutedRequest
 from services.gateway.relay import Relay
 from services.gateway.routing import Route, Router
-from services.gateway.status import cluster_status
+from services.gateway.status import ENGINE_ROLES, cluster_status
 from services.gateway.telemetry import describe_request, record_request, route_attributes
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         limits = [
             w.max_model_len
             for w in workers
-            if w.role in ("prefill", "decode") and w.model == self.model and w.max_model_len > 0
+            if w.role in ENGINE_ROLES and w.model == self.model and w.max_model_len > 0
         ]
         return min([self.max_model_len, *limits])
 

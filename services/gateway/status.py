@@ -12,15 +12,17 @@ from common.rpc.channels import ChannelPool
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.kv.v1 import block_store_pb2, block_store_pb2_grpc
-from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
 ROLES = {
     "prefill": common_pb2.WORKER_ROLE_PREFILL,
     "decode": common_pb2.WORKER_ROLE_DECODE,
+    "both": common_pb2.WORKER_ROLE_BOTH,
     "blockstore": common_pb2.WORKER_ROLE_BLOCK_STORE,
     "gateway": common_pb2.WORKER_ROLE_GATEWAY,
+    "planner": common_pb2.WORKER_ROLE_PLANNER,
 }
-_ORDER = ["gateway", "prefill", "decode", "blockstore"]
+ENGINE_ROLES = ("prefill", "decode", "both")
+_ORDER = ["gateway", "planner", "prefill", "both", "decode", "blockstore"]
 _TIMEOUT_S = 2.0
 
 
@@ -38,6 +40,7 @@ def _from_registry(info: WorkerInfo) -> common_pb2.WorkerStatus:
         pid=info.pid,
         draining=info.draining,
         weight_format=info.weights,
+        role_since_unix_ms=info.role_since_unix_ms,
     )
 
 
@@ -45,11 +48,7 @@ async def _fresh(info: WorkerInfo, channels: ChannelPool) -> common_pb2.WorkerSt
     """The worker's own GetStatus; the registry entry (up to a heartbeat old) if it fails."""
     channel = channels.get(info.address)
     try:
-        if info.role == "prefill":
-            response = await prefill_pb2_grpc.PrefillServiceStub(channel).GetStatus(
-                prefill_pb2.GetStatusRequest(), timeout=_TIMEOUT_S
-            )
-        elif info.role == "decode":
+        if info.role in ENGINE_ROLES:  # every engine worker serves both faces
             response = await decode_pb2_grpc.DecodeServiceStub(channel).GetStatus(
                 decode_pb2.GetStatusRequest(), timeout=_TIMEOUT_S
             )

@@ -1,4 +1,4 @@
-"""WorkerConfig: what a prefill or decode worker process is told, read once from flags/env."""
+"""WorkerConfig: what an engine worker process is told, read once from flags/env."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.engine.config import EngineConfig
+from common.planner.types import ENGINE_ROLES
 from common.rpc.tls import TlsConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -15,7 +16,7 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: str  # prefill | decode
+    role: str  # the role it starts in: prefill | decode | both (it may change: roles.py)
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
@@ -29,7 +30,7 @@ class WorkerConfig:
     drain_grace_s: float = 10.0
     index_ttl_s: int = 600
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
-    # Decode: what to do when a request's KV can be loaded neither from its producer nor
+    # Decoding: what to do when a request's KV can be loaded neither from its producer nor
     # (all its full blocks) from the block store: recompute it here, or fail the request.
     kv_load_failure: str = "recompute"
     kv_pull_timeout_s: float = 60.0  # most a pull from a producer may take before falling back
@@ -46,8 +47,8 @@ class WorkerConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

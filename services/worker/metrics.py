@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from common.engine.engine_loop import EngineLoop
 from common.engine.grammar import GrammarStats
 from common.engine.speculative.stats import SpecDecodeStats
 from common.kv.leases import LeaseTable
+from common.planner.types import ENGINE_ROLES
 from common.telemetry.metrics import (
     TRANSFER_BUCKETS_S,
     RedisHealth,
@@ -31,6 +33,7 @@ from common.telemetry.metrics import (
     metric_name,
 )
 from services.worker.expert_load import ExpertLoadCollector, ExpertLoadTracker
+from services.worker.roles import Roles
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,25 @@ class WorkerMetrics:
         )  # fmt: skip
         for outcome in KV_LOAD_OUTCOMES:
             self.kv_load_fallbacks.labels(outcome)
+        self._role = Gauge(
+            metric_name("worker_role"),
+            "1 for the role this engine worker serves now (prefill, decode, both), 0 for the "
+            "others.",
+            ["role"], registry=registry,
+        )  # fmt: skip
+        self._role_changes = Counter(
+            metric_name("worker_role_changes"),
+            "Role changes in place (pdserve role, the planner), by the roles left and taken.",
+            ["from_role", "to_role"], registry=registry,
+        )  # fmt: skip
+
+    def watch_role(self, roles: Roles) -> None:
+        """``worker_role`` read at scrape time from ``roles``."""
+        for role in ENGINE_ROLES:
+            self._role.labels(role).set_function(functools.partial(_is_role, roles, role))
+
+    def role_changed(self, previous: str, role: str) -> None:
+        self._role_changes.labels(previous, role).inc()
 
     def index_republished(self, num_blocks: int) -> None:
         self._index_republished.inc(num_blocks)
@@ -130,6 +152,10 @@ class WorkerMetrics:
     def watch_expert_load(self, tracker: ExpertLoadTracker, per_expert: bool = False) -> None:
         """MoE models: imbalance per layer (and, opt-in, tokens per expert)."""
         self.registry.register(ExpertLoadCollector(self.model_name, tracker, per_expert))
+
+
+def _is_role(roles: Roles, role: str) -> float:
+    return float(roles.role == role)
 
 
 def engine_reader(loop: EngineLoop) -> Callable[[], EngineSnapshot | None]:

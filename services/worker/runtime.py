@@ -1,4 +1,4 @@
-"""WorkerRuntime: what prefill and decode workers share around their engine, and its
+"""WorkerRuntime: what an engine worker holds around its engine, whatever its role, and its
 lifecycle.
 
 It owns the engine thread (EngineLoop), the leases on exported KV, and two parts of its own
@@ -6,6 +6,9 @@ module each: the worker's entries in Redis (services/worker/index_sync.py: the r
 heartbeat, the prefix index, expert load) and the block store as a second source of KV
 (services/worker/store_tier.py). Redis and the block store are optional and never fail a
 request: the index is advisory, the store is a cache.
+
+Its role (services/worker/roles.py) says which face takes new calls; ``set_role`` changes
+it in place: the engine, its prefix cache, the published blocks and the leases stay.
 
 Draining (SIGTERM, see services/worker/serve.py): ``begin_drain`` marks the worker draining in
 the registry at once, so routers skip it, and ``admit`` refuses new calls with
@@ -27,27 +30,35 @@ from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
-from common.engine.request import KvImport
-from common.errors import DrainingError
+from common.errors import (
+    DrainingError,
+    FailedPreconditionError,
+    NotFoundError,
+    RoleChangedError,
+)
 from common.index.registry import WorkerInfo
 from common.kv.hashing import hash_prompt_blocks
 from common.kv.layout import KvLayout
 from common.kv.leases import LeaseTable
+from common.planner.profile import ProfileKey, WorkerProfile
+from common.planner.types import DECODE
 from common.rpc.channels import ChannelPool
-from common.rpc.tracing import record_error
+from common.rpc.roles import ROLE_PB
 from common.telemetry.tracing import tracer
 from pdserve.common.v1 import common_pb2
 from services.worker.config import WorkerConfig
 from services.worker.expert_load import ExpertLoadTracker
 from services.worker.index_sync import IndexSync
-from services.worker.metrics import BLOCK_STORE, RECEIVED, WorkerMetrics
-from services.worker.store_tier import BlockStoreSkipped, StoreTier
+from services.worker.kv_import import KvImporter
+from services.worker.metrics import WorkerMetrics
+from services.worker.roles import RoleChange, Roles
+from services.worker.store_tier import StoreTier
 
 log = logging.getLogger(__name__)
 
 BACKGROUND_GRACE_S = 5.0  # what stop() waits for background bookkeeping
-
-ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+# What a role change waits for the decode calls it ended to send their status.
+STREAMS_MOVED_WAIT_S = 10.0
 
 
 class WorkerRuntime:
@@ -61,6 +72,7 @@ class WorkerRuntime:
         self.engine = engine
         self.model = config.served_model_name
         self.loop = EngineLoop(engine, name=f"{config.role}-engine")
+        self.roles = Roles(config.role)
         spec = engine.spec
         self.layout = KvLayout(
             spec.num_layers,
@@ -86,10 +98,14 @@ class WorkerRuntime:
             config, self.loop, self.metrics, self.tier, self.expert_load, self.entry
         )
         self.store = StoreTier(config, self.layout, self.metrics, self.in_background)
+        self.kv = KvImporter(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self.draining = False
         self.num_active_calls = 0  # Prefill / Decode calls admitted and not yet ended
+        self.decode_calls: set[str] = set()  # request ids of the Decode calls admitted
+        self.held_profile: WorkerProfile | None = None  # measured, or read from Redis
+        self.metrics.watch_role(self.roles)
 
     async def start(self, port: int) -> None:
         self.worker_id = self.config.resolved_worker_id(port)
@@ -102,7 +118,7 @@ class WorkerRuntime:
             self._tasks.append(asyncio.create_task(self.sync.expert_load_forever()))
         self.store.open()
         self._tasks.append(asyncio.create_task(self.leases.run_expiry()))
-        log.info("%s %s serving at %s", self.config.role, self.worker_id, self.address)
+        log.info("worker %s serving at %s, role %s", self.worker_id, self.address, self.role)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -124,25 +140,95 @@ class WorkerRuntime:
 
     # -- admission and draining ---------------------------------------------------------------
 
+    @property
+    def role(self) -> str:
+        return self.roles.role
+
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        """Wraps one Prefill / Decode call; refuses it while draining."""
+    def admit(self, face: str, request_id: str) -> Iterator[None]:
+        """Wraps one call of ``face`` (prefill, decode); refuses it while draining or when
+        the role takes no such calls."""
         if self.draining:
-            raise DrainingError(f"{self.config.role} worker {self.worker_id} is draining")
+            raise DrainingError(f"worker {self.worker_id} is draining")
+        self.roles.admit(face, self.worker_id)
         self.num_active_calls += 1
+        decoding = face == DECODE and request_id not in self.decode_calls
+        if decoding:
+            self.decode_calls.add(request_id)
         try:
             yield
         finally:
             self.num_active_calls -= 1
+            if decoding:
+                self.decode_calls.discard(request_id)
+
+    async def set_role(self, role: str) -> RoleChange:
+        """Changes the role in place (services/worker/roles.py). Leaving the decode role
+        ends the streams decoding here with ROLE_CHANGED (their gateways continue them on
+        other decode workers) and waits for their calls to end; the new role is registered
+        before this returns."""
+        started = time.monotonic()
+        if self.draining:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} is draining; its role no longer changes"
+            )
+        with tracer().start_as_current_span("role_change") as span:
+            previous = self.roles.begin(role, self.worker_id)
+            moved: list[str] = []
+            try:
+                if previous != role:
+                    self.metrics.role_changed(previous, role)
+                    # Registered first: a gateway that reads the registry to place a moved
+                    # stream sees the new role, not this worker as a decode worker.
+                    await self._register_now()
+                if not self.roles.serves(DECODE):
+                    moved = sorted(self.decode_calls)
+                if moved:
+                    self.loop.fail(
+                        moved,
+                        RoleChangedError(
+                            f"worker {self.worker_id} changed its role from {previous} to "
+                            f"{role}; the stream continues on another decode worker"
+                        ),
+                    )
+                    await self._wait_calls_ended(moved, STREAMS_MOVED_WAIT_S)
+            finally:
+                self.roles.end()
+            change = RoleChange(previous, role, len(moved), (time.monotonic() - started) * 1000)
+            span.set_attributes(
+                {
+                    "pdserve.worker_id": self.worker_id,
+                    "pdserve.role.previous": previous,
+                    "pdserve.role": role,
+                    "pdserve.role.streams_moved": change.num_streams_moved,
+                }
+            )
+        log.info(
+            "role %s -> %s in %.1f ms (%d decode streams moved on)",
+            previous, role, change.elapsed_ms, change.num_streams_moved,
+        )  # fmt: skip
+        return change
+
+    async def _register_now(self) -> None:
+        if self.sync.registry is None:
+            return
+        try:
+            await asyncio.wait_for(self.sync.heartbeat_once(), timeout=2.0)
+        except Exception as exc:  # the next heartbeat registers it
+            log.warning("could not register the new role at once: %s", exc)
+
+    async def _wait_calls_ended(self, request_ids: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(r in self.decode_calls for r in request_ids):
+            if time.monotonic() >= deadline:
+                log.warning("decode calls still open %.0f s after the role change", timeout_s)
+                return
+            await asyncio.sleep(0.01)
 
     async def begin_drain(self) -> None:
         """No new calls from now on; the registry says so at once (routers skip us)."""
         self.draining = True
-        if self.sync.registry is not None:
-            try:
-                await asyncio.wait_for(self.sync.heartbeat_once(), timeout=2.0)
-            except Exception as exc:
-                log.warning("could not mark this worker draining in the registry: %s", exc)
+        await self._register_now()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no call is in flight and no lease pins exported KV; False if
@@ -159,9 +245,38 @@ class WorkerRuntime:
         that its caller resumes it elsewhere; their blocks are freed."""
         self.loop.fail_all(
             DrainingError(
-                f"{self.config.role} worker {self.worker_id} ended its drain grace period; "
+                f"worker {self.worker_id} ended its drain grace period; "
                 "resume the request elsewhere"
             )
+        )
+
+    # -- profile ----------------------------------------------------------------------------
+
+    async def profile(self, remeasure: bool = False) -> WorkerProfile:
+        """The profile held, or measured now on the idle engine (FAILED_PRECONDITION while
+        requests run: they would skew it and wait seconds for it)."""
+        if remeasure:
+            from common.engine.profiler import measure_profile
+
+            stats = await self.stats()
+            if stats.num_running or stats.num_waiting or self.num_active_calls:
+                raise FailedPreconditionError(
+                    f"worker {self.worker_id} runs {stats.num_running + stats.num_waiting} "
+                    "requests; measure an idle worker (set its role elsewhere first)"
+                )
+            self.held_profile = await self.loop.call(
+                lambda engine: measure_profile(engine, self.profile_key(), quick=True)
+            )
+        if self.held_profile is None:
+            raise NotFoundError(f"worker {self.worker_id} holds no profile; remeasure")
+        return self.held_profile
+
+    def profile_key(self) -> ProfileKey:
+        return ProfileKey(
+            self.model,
+            self.engine.weight_identity or "",
+            self.config.engine.num_threads or 0,
+            self.tier,
         )
 
     # -- status -----------------------------------------------------------------------------
@@ -170,9 +285,9 @@ class WorkerRuntime:
         return await self.loop.call(lambda e: e.stats())
 
     def status_pb(self, stats: EngineStats) -> common_pb2.WorkerStatus:
-        return common_pb2.WorkerStatus(
+        status = common_pb2.WorkerStatus(
             worker_id=self.worker_id,
-            role=ROLE_PB[self.config.role],
+            role=ROLE_PB[self.role],
             address=self.address,
             model=self.model,
             num_kv_blocks_total=stats.num_kv_blocks_total,
@@ -183,13 +298,18 @@ class WorkerRuntime:
             pid=os.getpid(),
             draining=self.draining,
             weight_format=self.engine.weight_identity or "",
+            role_since_unix_ms=self.roles.since_unix_ms,
+            num_role_changes=self.roles.num_changes,
         )
+        if self.held_profile is not None:
+            self.held_profile.to_pb(status.profile)
+        return status
 
     def entry(self, stats: EngineStats) -> WorkerInfo:
         """This worker's registry entry for the engine's figures ``stats``."""
         return WorkerInfo(
             worker_id=self.worker_id,
-            role=self.config.role,
+            role=self.role,
             address=self.address,
             model=self.model,
             num_kv_blocks_total=stats.num_kv_blocks_total,
@@ -202,6 +322,8 @@ class WorkerRuntime:
             pid=os.getpid(),
             draining=self.draining,
             weights=self.engine.weight_identity or "",
+            metrics_port=self.config.metrics_port,
+            role_since_unix_ms=self.roles.since_unix_ms,
         )
 
     # -- KV bookkeeping -------------------------------------------------------------------------
@@ -223,42 +345,6 @@ class WorkerRuntime:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def import_from_store(
-        self, token_ids: list[int], cache_salt: str | None, timeout_s: float | None
-    ) -> KvImport | None:
-        """Full prompt blocks from the block store, when it holds more than our own cache."""
-        if not self.store.enabled:
-            return None
-        block_size = self.engine.block_size
-        hashes = self.block_hashes(token_ids, cache_salt)[: (len(token_ids) - 1) // block_size]
-        if not hashes:
-            return None
-        with tracer().start_as_current_span("kv_import") as span:
-            span.set_attributes(
-                {"pdserve.kv.source": BLOCK_STORE, "pdserve.kv.num_blocks_wanted": len(hashes)}
-            )
-            try:
-                present = await self.store.present(hashes, timeout_s)
-                span.set_attribute("pdserve.kv.store_blocks", present)
-                if present == 0:
-                    return None  # without asking the engine, which answers between steps
-                local = await self.loop.call(
-                    lambda e: e.num_cached_prefix_tokens(token_ids, cache_salt)
-                )
-                span.set_attribute("pdserve.kv.local_tokens", local)
-                if present * block_size <= local:
-                    return None
-                read = await self.store.read(hashes[:present], timeout_s, span)
-            except BlockStoreSkipped:
-                span.set_attribute("pdserve.kv.store_skipped", True)
-                return None
-            except Exception as exc:
-                self.metrics.transfer_failed(BLOCK_STORE, RECEIVED)
-                record_error(span, exc)
-                log.warning("block store lookup failed, computing instead: %s", exc)
-                return None
-        return read.kv
 
     async def _release_engine_blocks(self, request_id: str) -> None:
         await self.loop.call(lambda e: e.release(request_id))

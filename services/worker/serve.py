@@ -1,4 +1,4 @@
-"""Runs a prefill or decode worker process: engine, runtime, gRPC server, drain on SIGTERM.
+"""Runs an engine worker process: engine, runtime, gRPC server, drain on SIGTERM.
 
 The drain: health NOT_SERVING and the registry entry marked draining (routers skip the
 worker), new Prefill / Decode calls refused with UNAVAILABLE; the calls in flight and the
@@ -87,7 +87,7 @@ async def serve_worker(config: WorkerConfig, add_servicers: AddServicers) -> Non
             server,
             on_stop=runtime.stop,
             drain=lambda grace_s: drain_worker(runtime, grace_s),
-            banner=f"{config.role} worker {runtime.worker_id} serving at {runtime.address}",
+            banner=f"worker {runtime.worker_id} serving at {runtime.address} (role {runtime.role})",
         )
 
     await serve_process(

@@ -28,11 +28,10 @@ from pdserve.kv.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
-from services.decode.server import add_servicers as decode_servicers
-from services.prefill.server import add_servicers as prefill_servicers
 from services.worker.config import WorkerConfig
 from services.worker.runtime import WorkerRuntime
 from services.worker.serve import start_worker
+from services.worker.server import add_servicers
 from tests.factories import make_tiny_checkpoint
 
 PROMPT = list(range(3, 56))  # 53 tokens: 3 full blocks of 16 and a partial one
@@ -112,7 +111,7 @@ async def start_decoder(
     **extra: Any,
 ) -> Decoder:
     server, runtime = await start_worker(
-        worker_config(tiny_dir, "decode", blockstore, **extra), decode_servicers
+        worker_config(tiny_dir, "decode", blockstore, **extra), add_servicers
     )
     channel = grpc.aio.insecure_channel(runtime.address)
     cleanup += [channel.close, runtime.stop, lambda: server.stop(0)]
@@ -138,7 +137,7 @@ def test_dead_producer_falls_back_to_the_blocks_it_wrote_to_the_store(tiny_dir: 
             cleanup.append(store.stop)
             store_address = f"127.0.0.1:{store.port}"
             prefill_server, prefill = await start_worker(
-                worker_config(tiny_dir, "prefill", store_address), prefill_servicers
+                worker_config(tiny_dir, "prefill", store_address), add_servicers
             )
             decoder = await start_decoder(tiny_dir, store_address, cleanup)
             expected = await reference(decoder)

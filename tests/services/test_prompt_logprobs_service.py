@@ -17,8 +17,8 @@ import torch
 from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from services.blockstore import server as blockstore_server
 from services.blockstore.config import BlockStoreConfig
-from services.prefill.server import add_servicers as prefill_servicers
 from services.worker.serve import start_worker
+from services.worker.server import add_servicers
 from tests.services.test_kv_load_fallback import (
     MAX_TOKENS,
     PROMPT,
@@ -98,7 +98,7 @@ def test_both_hops_return_prompt_logprobs_computed_in_full(
 
             # Prefill worker: in PrefillResponse, although the store holds the prompt.
             server, prefill = await start_worker(
-                worker_config(tiny_dir, "prefill", address), prefill_servicers
+                worker_config(tiny_dir, "prefill", address), add_servicers
             )
             cleanup += [prefill.stop, lambda: server.stop(0)]
             async with grpc.aio.insecure_channel(prefill.address) as channel:

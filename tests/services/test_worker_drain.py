@@ -19,10 +19,10 @@ from common.rpc.channels import create_channel
 from common.rpc.errors import reason_of
 from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
-from services.decode.server import add_servicers
 from services.worker.config import WorkerConfig
 from services.worker.runtime import WorkerRuntime
 from services.worker.serve import drain_worker, start_worker
+from services.worker.server import add_servicers
 from tests.factories import make_tiny_checkpoint
 
 PROMPT = list(range(3, 40))

@@ -112,3 +112,17 @@ def test_a_worker_that_stops_heartbeating_leaves_at_once_without_an_outage() -> 
         assert ids(await directory.workers()) == ["d1"]
 
     asyncio.run(body())
+
+
+def test_by_role_lists_workers_in_both_roles_for_either_call() -> None:
+    registry, directory, _ = make()
+    registry.workers = [worker("p0", "prefill"), worker("d0", "decode"), worker("b0", "both"),
+                        worker("s0", "blockstore")]  # fmt: skip
+    registry.workers.append(WorkerInfo("b1", "both", "b1:1", "m", draining=True))
+
+    async def body() -> None:
+        assert ids(await directory.by_role("prefill", "m")) == ["b0", "p0"]
+        assert ids(await directory.by_role("decode", "m")) == ["b0", "d0"]
+        assert await directory.by_role("decode", "other-model") == []
+
+    asyncio.run(body())

@@ -315,9 +315,8 @@ def test_decode_worker_refuses_a_handle_of_another_format(ckpt: Path) -> None:
     naming both formats; an int4 prefill worker's handle: pulled and decoded."""
     from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
     from pdserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-    from services.decode.server import add_servicers as decode_servicers
-    from services.prefill.server import add_servicers as prefill_servicers
     from services.worker.serve import start_worker
+    from services.worker.server import add_servicers
 
     def sampled(message: Any) -> Any:
         message.sampling.max_tokens = 5
@@ -329,12 +328,13 @@ def test_decode_worker_refuses_a_handle_of_another_format(ckpt: Path) -> None:
         cleanup: list[Callable[[], Any]] = []
         try:
             started = {}
-            for name, role, quantization, add in [
-                ("prefill-float", "prefill", "none", prefill_servicers),
-                ("prefill-int4", "prefill", "int4", prefill_servicers),
-                ("decode-int4", "decode", "int4", decode_servicers),
+            for name, role, quantization in [
+                ("prefill-float", "prefill", "none"),
+                ("prefill-int4", "prefill", "int4"),
+                ("decode-int4", "decode", "int4"),
             ]:
-                server, runtime = await start_worker(_worker_config(ckpt, role, quantization), add)
+                config = _worker_config(ckpt, role, quantization)
+                server, runtime = await start_worker(config, add_servicers)
                 cleanup += [runtime.stop, functools.partial(server.stop, 0)]
                 started[name] = runtime
             decoder = started["decode-int4"]

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.errors import DrainingError, InvalidRequestError, UnavailableError
+from common.errors import DrainingError, InvalidRequestError, RoleChangedError, UnavailableError
 from common.index.registry import WorkerInfo
 from common.rpc.errors import to_status
 from pdserve.common.v1 import common_pb2
@@ -16,6 +16,7 @@ from services.gateway.directory import WorkerDirectory
 from services.gateway.migration import (
     DRAINING,
     KV_NOT_FOUND,
+    ROLE_CHANGED,
     Migrations,
     StreamBroken,
     broken_reason,
@@ -44,6 +45,13 @@ def worker(worker_id: str, pid: int, running: int = 0, draining: bool = False) -
     return WorkerInfo(
         worker_id, "decode", f"{worker_id}:1", "m", 100, 100, running, pid=pid, draining=draining
     )
+
+
+def test_a_stream_ended_by_a_role_change_migrates_as_role_changed() -> None:
+    error = rpc_error(RoleChangedError("worker d0 changed its role"))
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert broken_reason(error, had_kv_handle=False) == ROLE_CHANGED
+    assert broken_reason(error, had_kv_handle=True) == ROLE_CHANGED
 
 
 def test_broken_streams_migrate_and_answers_do_not() -> None:
@@ -90,9 +98,27 @@ def test_a_request_never_goes_back_to_a_process_it_broke_on() -> None:
     # A KV handle whose blocks are gone is no fault of the worker.
     migrations.broke(d1, StreamBroken(KV_NOT_FOUND, UnavailableError("x")))
     assert migrations.allows(d1)
-    assert not migrations.exhausted
-    migrations.count = 2
-    assert migrations.exhausted
+    failure = StreamBroken("unavailable", UnavailableError("x"))
+    assert not migrations.exhausted_by(failure)
+    migrations.moved(failure)
+    migrations.moved(failure)
+    assert migrations.exhausted_by(failure)
+
+
+def test_a_worker_leaving_the_decode_role_is_no_fault_and_costs_no_migration() -> None:
+    migrations = Migrations(limit=1)
+    d0 = worker("d0", pid=100)
+    moved = StreamBroken(ROLE_CHANGED, UnavailableError("role"))
+    assert not moved.worker_fault
+    for _ in range(5):  # as often as roles change
+        assert not migrations.exhausted_by(moved)
+        migrations.broke(d0, moved)
+        migrations.moved(moved)
+    assert migrations.allows(d0)  # it may take the stream again once it decodes again
+    assert (migrations.count, migrations.num_failures) == (5, 0)
+    failure = StreamBroken("unavailable", UnavailableError("x"))
+    migrations.moved(failure)
+    assert migrations.exhausted_by(failure) and not migrations.exhausted_by(moved)
 
 
 def test_choose_decode_takes_the_least_loaded() -> None:

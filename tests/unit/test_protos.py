@@ -58,7 +58,7 @@ def _find_buf() -> str | None:
 
 def test_proto_files_cover_every_area() -> None:
     areas = {proto.relative_to(PROTO_ROOT).parts[1] for proto in PROTO_FILES}
-    assert areas == {"common", "kv", "prefill", "decode", "gateway"}
+    assert areas == {"common", "kv", "prefill", "decode", "gateway", "worker"}
 
 
 def test_stubs_are_up_to_date() -> None:
@@ -137,7 +137,7 @@ def test_every_rpc_comment_lists_real_status_codes() -> None:
             assert "OK" in codes, f"{proto.name}: {match[1]}"
             unknown = set(codes) - set(grpc.StatusCode.__members__)
             assert not unknown, f"{proto.name}: {match[1]}: {unknown}"
-    assert num_rpcs == 17
+    assert num_rpcs == 20
 
 
 def test_generate_request_input_is_a_oneof_of_four() -> None:

@@ -165,3 +165,27 @@ def test_load_policy_ignores_the_prefix_index() -> None:
     assert route.reason == "load"
     with pytest.raises(ValueError, match="round-robin"):
         Router(16, 16, 1.0, policy="random")
+
+
+def test_a_worker_in_both_roles_prefills_what_it_decodes_and_for_others() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0)
+    both = worker("b0", "both")
+    # Alone, it is the prefill and the decode worker: it prefills locally.
+    route = router.choose("r", 400, {}, [both], [both])
+    assert route.prefill is None and route.decode is both and route.reason == "colocated"
+    # Beside a busier decode-only worker it takes the decode too.
+    busy_decode = worker("d0", "decode", running=4)
+    route = router.choose("r", 400, {}, [both], [both, busy_decode])
+    assert (route.decode, route.prefill, route.reason) == (both, None, "colocated")
+    # When the decode-only worker is the less loaded, the both worker prefills for it.
+    both.num_running = 6
+    route = router.choose("r", 400, {}, [both], [both, worker("d1", "decode")])
+    assert route.decode.worker_id == "d1"
+    assert route.prefill is both and route.reason == "load"
+
+
+def test_round_robin_never_sends_a_prompt_from_a_worker_to_itself() -> None:
+    router = Router(block_size=16, local_prefill_tokens=16, overlap_weight=1.0, policy="round-robin")
+    both = worker("b0", "both")
+    routes = [router.choose(f"r{i}", 400, {}, [both], [both]) for i in range(3)]
+    assert all(r.prefill is None and r.reason == "colocated" for r in routes)

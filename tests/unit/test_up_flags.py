@@ -32,8 +32,10 @@ UP_ARGV = [
 @pytest.mark.parametrize(
     ("command", "names"),
     [
-        ("prefill", _ENGINE_FLAGS + _WORKER_FLAGS),
+        # Every engine worker takes the decoding flags: its role may change to decode.
+        ("prefill", _ENGINE_FLAGS + _WORKER_FLAGS + _DECODE_FLAGS),
         ("decode", _ENGINE_FLAGS + _WORKER_FLAGS + _DECODE_FLAGS),
+        ("worker", _ENGINE_FLAGS + _WORKER_FLAGS + _DECODE_FLAGS),
         ("gateway", _GATEWAY_FLAGS + _FAILOVER_FLAGS),
     ],
 )

@@ -147,6 +147,13 @@ def add_auth_args(parser: argparse.ArgumentParser) -> None:
         help="lines of 'KEY TENANT' (# comments); a tenant's requests share a cache salt",
     )
     group.add_argument(
+        "--admin-tenant",
+        action="append",
+        default=[],
+        help="a tenant whose keys may call AdminService (pdserve role); repeatable; with "
+        "keys, no other may",
+    )
+    group.add_argument(
         "--public-tls-cert", default=None, help="PEM certificate: TLS on the public port"
     )
     group.add_argument("--public-tls-key", default=None, help="PEM key of --public-tls-cert")
@@ -181,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_queued_prompt_tokens_per_tenant=args.max_queued_prompt_tokens_per_tenant,
         max_request_bytes=args.max_request_bytes,
         api_keys=api_keys_from_args(args),
+        admin_tenants=frozenset(args.admin_tenant),
         tls=tls_from_args(args),
         public_tls=PublicTls.from_flags(args.public_tls_cert, args.public_tls_key),
         max_migrations=args.max_migrations,

@@ -24,9 +24,16 @@ CIRCUIT_NAMES = {
 ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
+    common_pb2.WORKER_ROLE_BOTH: "both",
     common_pb2.WORKER_ROLE_BLOCK_STORE: "blockstore",
     common_pb2.WORKER_ROLE_GATEWAY: "gateway",
+    common_pb2.WORKER_ROLE_PLANNER: "planner",
 }
+ENGINE_ROLES = (
+    common_pb2.WORKER_ROLE_PREFILL,
+    common_pb2.WORKER_ROLE_DECODE,
+    common_pb2.WORKER_ROLE_BOTH,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -111,9 +118,15 @@ async def fetch(
     for worker, metrics in zip(workers, figures, strict=True):
         if metrics is not None:
             worker["metrics"] = metrics
+    for worker, status in zip(workers, reply.workers, strict=True):
+        if status.role in ENGINE_ROLES:
+            worker["role_since_unix_ms"] = status.role_since_unix_ms
+            worker["num_role_changes"] = status.num_role_changes
+            if status.HasField("profile"):
+                worker["profile"] = profile_summary(status.profile)
     circuits = {c.worker_id: c for c in reply.circuits}
     for worker, status in zip(workers, reply.workers, strict=True):
-        if status.role in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+        if status.role in ENGINE_ROLES:
             circuit = circuits.get(status.worker_id)
             worker["circuit"] = CIRCUIT_NAMES[circuit.state] if circuit else "closed"
             if circuit is not None:
@@ -125,6 +138,25 @@ async def fetch(
                 worker["index_error"] = index.error
                 worker["index_unavailable_since_unix_ms"] = index.unavailable_since_unix_ms
     return workers
+
+
+def profile_summary(message: common_pb2.WorkerProfile) -> dict[str, object]:
+    """What ``pdserve status`` shows of a worker's profile: its key, what one prefill and one
+    decode step cost by the fits, and its KV capacity."""
+    from common.planner.profile import WorkerProfile
+
+    profile = WorkerProfile.from_pb(message)
+    return {
+        "weights": profile.key.weight_format or "float",
+        "threads": profile.key.num_threads,
+        "device": profile.key.device,
+        "prefill_512_ms": round(profile.prefill_ms(512), 1),
+        "prefill_2048_ms": round(profile.prefill_ms(2048), 1),
+        "decode_step_1x512_ms": round(profile.decode_step_ms(1, 512), 2),
+        "decode_step_16x512_ms": round(profile.decode_step_ms(16, 512), 2),
+        "kv_capacity_tokens": profile.kv_capacity_tokens,
+        "measured_unix_ms": profile.measured_unix_ms,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +186,32 @@ def run(args: argparse.Namespace) -> int:
               f"{'  draining' if w['draining'] else ''}")  # fmt: skip
     for line in health_lines(workers):
         print(line)
+    for line in role_lines(workers):
+        print(line)
     return 0
+
+
+def role_lines(workers: list[dict[str, object]]) -> list[str]:
+    """Each engine worker's role since when, and the profile the planner prices it with."""
+    lines = []
+    now_ms = time.time() * 1000
+    for w in workers:
+        since = w.get("role_since_unix_ms")
+        if not isinstance(since, int) or not since:
+            continue
+        changes = w.get("num_role_changes") or 0
+        line = f"{w['id']}: {w['role']} for {(now_ms - since) / 1000:.0f} s ({changes} role changes)"
+        profile = w.get("profile")
+        if isinstance(profile, dict):
+            line += (
+                f"; profile ({profile['threads']} threads, {profile['device']}): prefill 512 "
+                f"tokens {profile['prefill_512_ms']} ms, 2048 {profile['prefill_2048_ms']} ms; "
+                f"decode step 1x512 {profile['decode_step_1x512_ms']} ms, 16x512 "
+                f"{profile['decode_step_16x512_ms']} ms; KV {profile['kv_capacity_tokens']} "
+                "tokens"
+            )
+        lines.append(line)
+    return lines
 
 
 def health_lines(workers: list[dict[str, object]]) -> list[str]:

@@ -245,7 +245,7 @@ def _store_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-# Failure handling: gateway, every worker, decode workers.
+# Failure handling: gateway, every worker, and what decoding takes (every worker: roles change).
 _FAILOVER_FLAGS = (
     "prefill_timeout_s", "decode_stall_timeout_s", "breaker_failures", "breaker_cooldown_s",
     "drain_grace_s",
@@ -379,11 +379,11 @@ def run_up(args: argparse.Namespace) -> int:
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port = free_port()
+                # Every worker takes the decoding flags: its role may change to decode.
                 argv = [*python, role, "--port", str(port), "--model", model,
                         "--worker-id", f"{role}-{i}", *store_flags, *_engine_flags(args),
-                        *_engine_flags(args, _WORKER_FLAGS), *thread_flags]  # fmt: skip
-                if role == "decode":
-                    argv += _engine_flags(args, _DECODE_FLAGS)
+                        *_engine_flags(args, _WORKER_FLAGS), *_engine_flags(args, _DECODE_FLAGS),
+                        *thread_flags]  # fmt: skip
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))
         gateway_argv = [*python, "gateway", "--port", str(args.port), "--model", model,
                         "--worker-id", "gateway-0", *_engine_flags(args, _GATEWAY_FLAGS),

@@ -1,4 +1,6 @@
-"""``pdserve prefill`` and ``pdserve decode``: serve one engine as a worker until SIGTERM."""
+"""``pdserve worker --role ROLE``, and its names ``pdserve prefill`` and ``pdserve decode``:
+serve one engine as a worker until SIGTERM. Every engine worker serves both faces; the role
+it starts in says which takes new calls, and changes in place (``pdserve role``)."""
 
 from __future__ import annotations
 
@@ -6,23 +8,31 @@ import argparse
 import asyncio
 import os
 
+from common.planner.types import ENGINE_ROLES
 from pdserve.cli.commands.security_args import add_tls_args, tls_from_args
 from pdserve.cli.commands.telemetry_args import add_metrics_port_arg
 from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
 from services.worker.config import KV_LOAD_FAILURE_POLICIES, WorkerConfig
 
-DEFAULT_PORTS = {"prefill": 50052, "decode": 50053}
+DEFAULT_PORTS = {"prefill": 50052, "decode": 50053, "worker": 50054}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    for role, text in (
-        ("prefill", "serve a prefill worker (PrefillService + KvTransferService)"),
-        ("decode", "serve a decode worker (DecodeService + KvTransferService)"),
+    for command, text in (
+        ("worker", "serve an engine worker in a role (prefill, decode, both) it can change"),
+        ("prefill", "serve an engine worker that starts in the prefill role"),
+        ("decode", "serve an engine worker that starts in the decode role"),
     ):
-        parser = subparsers.add_parser(role, help=text)
+        parser = subparsers.add_parser(command, help=text)
+        if command == "worker":
+            parser.add_argument(
+                "--role", choices=ENGINE_ROLES, default="both",
+                help="the role it starts in: which of PrefillService and DecodeService take "
+                "new calls (both: it prefills what it decodes, and prefills for others)",
+            )  # fmt: skip
         parser.add_argument("--host", default="127.0.0.1", help="address to bind; [::] for all")
         parser.add_argument(
-            "--port", type=int, default=DEFAULT_PORTS[role], help="0 = any free port"
+            "--port", type=int, default=DEFAULT_PORTS[command], help="0 = any free port"
         )
         parser.add_argument("--advertise", default=None, help="host:port others use to reach us")
         parser.add_argument("--worker-id", default=None)
@@ -42,22 +52,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help="most a block store read on a request's path may take; a store that fails "
             "is skipped for a few seconds (requests never fail because of it)",
         )
-        if role == "decode":
-            parser.add_argument(
-                "--kv-load-failure",
-                choices=KV_LOAD_FAILURE_POLICIES,
-                default="recompute",
-                help="when a request's KV can be pulled neither from its prefill worker nor "
-                "(every full block) from the block store: recompute it here, or fail the "
-                "request (UNAVAILABLE, reason KV_LOAD_FAILED)",
-            )
-            parser.add_argument(
-                "--kv-pull-timeout-s",
-                type=float,
-                default=60.0,
-                help="most a KV pull from a prefill worker may take before the block store "
-                "and recompute take over",
-            )
+        parser.add_argument(
+            "--kv-load-failure",
+            choices=KV_LOAD_FAILURE_POLICIES,
+            default="recompute",
+            help="when a request's KV can be pulled neither from its prefill worker nor "
+            "(every full block) from the block store: recompute it here, or fail the "
+            "request (UNAVAILABLE, reason KV_LOAD_FAILED)",
+        )
+        parser.add_argument(
+            "--kv-pull-timeout-s",
+            type=float,
+            default=60.0,
+            help="most a KV pull from a prefill worker may take before the block store "
+            "and recompute take over",
+        )
         moe = parser.add_argument_group("expert load (MoE models)")
         moe.add_argument(
             "--expert-load-interval-s", type=float, default=5.0,
@@ -78,7 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         add_metrics_port_arg(parser)
         add_tls_args(parser)
         add_engine_args(parser)
-        parser.set_defaults(func=run, role=role)
+        if command != "worker":
+            parser.set_defaults(role=command)
+        parser.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -98,8 +109,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,
         blockstore_timeout_s=args.blockstore_timeout_s,
-        kv_load_failure=getattr(args, "kv_load_failure", "recompute"),
-        kv_pull_timeout_s=getattr(args, "kv_pull_timeout_s", 60.0),
+        kv_load_failure=args.kv_load_failure,
+        kv_pull_timeout_s=args.kv_pull_timeout_s,
         expert_load_interval_s=args.expert_load_interval_s,
         expert_load_window_s=args.expert_load_window_s,
         expert_load_windows=args.expert_load_windows,
@@ -109,10 +120,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    if args.role == "prefill":
-        from services.prefill.server import serve
-    else:
-        from services.decode.server import serve
-    asyncio.run(serve(config))
+    from services.worker.server import serve
+
+    asyncio.run(serve(config_from_args(args)))
     return 0

@@ -1,4 +1,10 @@
-"""DecodeService: pull (or compute) a request's KV, then stream its tokens."""
+"""The decode face of an engine worker (DecodeService): a request's KV imported
+(services/worker/kv_import.py), then its tokens streamed.
+
+Admitted while the worker's role takes decode calls (decode, both). When the role changes
+away from decode, every stream here ends with UNAVAILABLE (reason ROLE_CHANGED) before its
+next message, and its gateway continues it on another decode worker from the stored KV.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +13,23 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from common.contract.sampling import SamplingParams
 from common.engine.engine import RequestOutput
 from common.engine.request import KvImport
-from common.errors import (
-    FailedPreconditionError,
-    InvalidRequestError,
-    KvLoadError,
-)
-from common.kv.hashing import HASH_SCHEME_VERSION
-from common.kv.layout import KvLayout
-from common.kv.pull import pull_kv
-from common.kv.release import RELEASE_RETRY_S, release_lease
+from common.errors import InvalidRequestError
+from common.planner.types import DECODE
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.rpc.tracing import record_error
 from common.telemetry.logs import bind_request_id
 from common.telemetry.metrics import RequestMetrics, TokenTimes
 from common.telemetry.tracing import tracer
-from pdserve.common.v1 import common_pb2
 from pdserve.decode.v1 import decode_pb2, decode_pb2_grpc
-from services.worker.metrics import BLOCK_STORE, PRODUCER, RECEIVED
+from services.worker.kv_import import Transfer
 from services.worker.pb import finish_reason_pb, logprob_pb
 from services.worker.runtime import WorkerRuntime
 
@@ -47,7 +44,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        with self.runtime.admit():
+        with self.runtime.admit(DECODE, request.request_id):
             # aclosing: a cancelled call runs _decode's cleanup now (frees the blocks).
             async with contextlib.aclosing(self._decode(request, context)) as messages:
                 async for message in messages:
@@ -74,18 +71,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         timeout = remaining_timeout(context)
 
         kv_import: KvImport | None = None
-        transfer = _Transfer()
-        if source == "kv_handle":
-            kv_import, transfer = await self._fetch(
-                request.kv_handle, prompt, generated, salt, timeout
+        transfer = Transfer()
+        handle = request.kv_handle if source == "kv_handle" else None
+        if handle is not None or sampling.prompt_logprobs is None:
+            kv_import, transfer = await runtime.kv.for_decode(
+                handle, prompt, generated, salt, timeout
             )
-        elif sampling.prompt_logprobs is None:
-            kv_import = await runtime.import_from_store(prompt + generated, salt, timeout)
-            if kv_import is not None:
-                transfer.peer = BLOCK_STORE
-                transfer.num_bytes = kv_import.data.numel() * kv_import.data.element_size()
         if sampling.prompt_logprobs is not None:
             kv_import = None  # prompt logprobs: the engine computes every position itself
+        runtime.roles.admit(DECODE, runtime.worker_id)  # it may have changed meanwhile
         imported = kv_import.num_tokens if kv_import is not None else 0
         admitted = time.monotonic()
 
@@ -111,6 +105,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # collected.
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    runtime.roles.admit(DECODE, runtime.worker_id)
                     if out.full_blocks is not None:
                         runtime.store.write_behind(out.full_blocks)
                     stream.add(out, len(prompt))
@@ -150,164 +145,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             stream.close(span, transfer, imported, request.request_id, len(prompt))
 
-    async def _fetch(
-        self,
-        handle: common_pb2.KvHandle,
-        prompt: list[int],
-        generated: list[int],
-        salt: str | None,
-        timeout: float | None,
-    ) -> tuple[KvImport | None, _Transfer]:
-        """The prompt's KV: pulled from its producer; when that fails (the producer died,
-        hangs past --kv-pull-timeout-s, lost the lease, sent corrupt bytes), the full blocks
-        the block store holds; what neither supplies is recomputed here, or with
-        ``--kv-load-failure fail`` the request fails with UNAVAILABLE (reason
-        KV_LOAD_FAILED). None: everything is computed here."""
-        runtime = self.runtime
-        if not generated:
-            raise InvalidRequestError("generated_token_ids", "a kv_handle needs the first token")
-        if handle.num_tokens != len(prompt):
-            raise InvalidRequestError(
-                "kv_handle.num_tokens", f"{handle.num_tokens} != prompt length {len(prompt)}"
-            )
-        if handle.hash_scheme_version != HASH_SCHEME_VERSION or handle.model != runtime.model:
-            raise FailedPreconditionError(
-                f"kv_handle is for model {handle.model!r}, hash scheme {handle.hash_scheme_version}; "
-                f"this worker serves {runtime.model!r}, scheme {HASH_SCHEME_VERSION}"
-            )
-        weights = runtime.engine.weight_identity or ""
-        if handle.weight_format != weights:
-            raise FailedPreconditionError(
-                f"kv_handle's KV was computed under weights {handle.weight_format or 'float'!r}; "
-                f"this worker serves {weights or 'float'!r}, and KV of one format is never "
-                "reused as another's"
-            )
-        runtime.layout.check_same(KvLayout.from_pb(handle.layout), "kv_handle")
-        channel = runtime.channels.get(handle.producer_address)
-        metrics = runtime.metrics
-        pull_timeout = runtime.config.kv_pull_timeout_s
-        if timeout is not None:
-            pull_timeout = min(pull_timeout, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            pulled = await pull_kv(channel, handle, runtime.layout, pull_timeout)
-        except asyncio.CancelledError:
-            metrics.transfer_failed(PRODUCER, RECEIVED)
-            raise
-        except Exception as exc:
-            metrics.transfer_failed(PRODUCER, RECEIVED)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise asyncio.TimeoutError("the deadline passed while pulling KV") from exc
-            log.warning(
-                "request %s: pulling KV from %s failed (%s); trying the block store",
-                handle.request_id,
-                handle.producer_address,
-                _describe(exc),
-            )
-            return await self._recover(handle, prompt, salt, timeout, _describe(exc))
-        finally:
-            runtime.in_background(
-                release_lease(
-                    channel,
-                    handle.lease_id,
-                    retry_for_s=RELEASE_RETRY_S,
-                    expiry_unix_ms=handle.lease_expiry_unix_ms,
-                )
-            )
-        metrics.transferred(
-            PRODUCER, RECEIVED, pulled.num_bytes, pulled.num_blocks, pulled.elapsed_ms / 1000
-        )
-        transfer = _Transfer(PRODUCER, pulled.num_bytes, pulled.elapsed_ms)
-        kept = list(handle.kept_block_indices) or None  # a compressed prompt's (SnapKV)
-        return KvImport(handle.num_tokens, pulled.data, kept), transfer
-
-    async def _recover(
-        self,
-        handle: common_pb2.KvHandle,
-        prompt: list[int],
-        salt: str | None,
-        timeout: float | None,
-        why: str,
-    ) -> tuple[KvImport | None, _Transfer]:
-        """After a failed pull: the block store's blocks, then recompute (or fail)."""
-        runtime = self.runtime
-        metrics = runtime.metrics
-        wanted = len(handle.block_hashes)
-        kv: KvImport | None = None
-        transfer = _Transfer()
-        store_error = ""
-        try:
-            kv, transfer = await self._from_store(handle, timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            store_error = _describe(exc)
-        num_blocks = 0 if kv is None else kv.num_tokens // runtime.engine.block_size
-        if wanted and num_blocks == wanted:
-            metrics.kv_load_fallbacks.labels("block_store").inc()
-            return kv, transfer
-        if runtime.config.kv_load_failure == "fail":
-            metrics.kv_load_fallbacks.labels("failed").inc()
-            store_what = store_error or f"it holds {num_blocks} of the {wanted} full blocks"
-            raise KvLoadError(
-                f"the KV of request {handle.request_id} could not be loaded: producer "
-                f"{handle.producer_address}: {why}; block store: {store_what} "
-                "(this decode worker runs with --kv-load-failure fail)"
-            )
-        metrics.kv_load_fallbacks.labels("recompute").inc()
-        if kv is not None:
-            # This worker's own prefix cache may hold more of the prompt than the store.
-            num_store_tokens = kv.num_tokens
-            local = await runtime.loop.call(lambda e: e.num_cached_prefix_tokens(prompt, salt))
-            if local >= num_store_tokens:
-                kv, transfer = None, _Transfer()
-        log.warning(
-            "request %s: recomputing %d of %d prompt tokens here (block store: %s)",
-            handle.request_id,
-            len(prompt) - (kv.num_tokens if kv is not None else 0),
-            len(prompt),
-            store_error or f"{num_blocks} of {wanted} full blocks",
-        )
-        return kv, transfer
-
-    async def _from_store(
-        self, handle: common_pb2.KvHandle, timeout: float | None
-    ) -> tuple[KvImport | None, _Transfer]:
-        """The leading full blocks of the handle the block store holds (None when none); the
-        tail (a partial block, or blocks the store lacks) is recomputed here."""
-        runtime = self.runtime
-        hashes = list(handle.block_hashes)
-        with tracer().start_as_current_span("kv_transfer", kind=SpanKind.CLIENT) as span:
-            span.set_attribute("pdserve.kv.source", BLOCK_STORE)
-            try:
-                present = await runtime.store.present(hashes, timeout)
-                read = (
-                    await runtime.store.read(hashes[:present], timeout, span) if present else None
-                )
-            except BaseException as exc:
-                runtime.metrics.transfer_failed(BLOCK_STORE, RECEIVED)
-                record_error(span, exc)
-                raise
-            if read is None:
-                span.set_attribute("pdserve.kv.blocks", 0)
-                return None, _Transfer()
-        return read.kv, _Transfer(BLOCK_STORE, read.num_bytes, read.seconds * 1000)
-
     @rpc_method
     async def GetStatus(
         self, request: decode_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.GetStatusResponse:
         stats = await self.runtime.stats()
         return decode_pb2.GetStatusResponse(status=self.runtime.status_pb(stats))
-
-
-@dataclass
-class _Transfer:
-    """How the request's KV arrived (peer empty: computed here)."""
-
-    peer: str = ""
-    num_bytes: int = 0
-    ms: float = 0.0
 
 
 class _Stream:
@@ -348,7 +191,7 @@ class _Stream:
     def close(
         self,
         span: Span,
-        transfer: _Transfer,
+        transfer: Transfer,
         imported: int,
         request_id: str,
         num_prompt: int,
@@ -401,8 +244,3 @@ class _Stream:
             (now - self.arrival) * 1000,
         )
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

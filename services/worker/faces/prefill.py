@@ -1,4 +1,6 @@
-"""PrefillService: prefill one prompt, hand back the first token and a KvHandle."""
+"""The prefill face of an engine worker (PrefillService): prefill one prompt, hand back the
+first token and a KvHandle. Admitted while the worker's role takes prefill calls (prefill,
+both); a prefill under way when the role changes finishes, and its lease stands."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from common.contract.sampling import SamplingParams
 from common.engine.request import FinishReason
 from common.errors import InvalidRequestError, NotFoundError
 from common.kv.hashing import HASH_SCHEME_VERSION
+from common.planner.types import PREFILL
 from common.rpc.channels import remaining_timeout
 from common.rpc.errors import rpc_method
 from common.telemetry.logs import bind_request_id
@@ -33,7 +36,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        with self.runtime.admit():
+        with self.runtime.admit(PREFILL, request.request_id):
             return await self._prefill(request, context)
 
     async def _prefill(
@@ -54,7 +57,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         salt = request.cache_salt or None
         kv_import = None
         if sampling.prompt_logprobs is None:  # prompt logprobs: every position computed here
-            kv_import = await runtime.import_from_store(prompt, salt, remaining_timeout(context))
+            kv_import = await runtime.kv.from_store(prompt, salt, remaining_timeout(context))
         imported = kv_import.num_tokens if kv_import is not None else 0
 
         metrics = runtime.metrics.requests
