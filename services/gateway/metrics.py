@@ -4,9 +4,10 @@ failovers)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.telemetry.metrics import RedisHealth, RequestMetrics, metric_name
+from common.planner.types import LENGTH_BUCKETS
+from common.telemetry.metrics import ITL_BUCKETS_S, RedisHealth, RequestMetrics, metric_name
 from services.gateway import migration
 from services.gateway.routing import REASONS
 
@@ -46,6 +47,23 @@ class GatewayMetrics:
         )  # fmt: skip
         for reason in migration.REASONS:
             self._migrations.labels(reason)
+        # vLLM's per-request length histograms, and time per output token per request (the
+        # planner reads the load's shape and its SLA attainment from these).
+        self.request_prompt_tokens = Histogram(
+            metric_name("request_prompt_tokens"),
+            "Prompt tokens of each request routed (counted at its arrival).",
+            ["model_name"], registry=registry, buckets=LENGTH_BUCKETS,
+        ).labels(model_name)  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            metric_name("request_generation_tokens"),
+            "Tokens generated for each request that ended.",
+            ["model_name"], registry=registry, buckets=LENGTH_BUCKETS,
+        ).labels(model_name)  # fmt: skip
+        self.request_time_per_output_token = Histogram(
+            metric_name("request_time_per_output_token_seconds"),
+            "Each request's mean time per output token after its first.",
+            ["model_name"], registry=registry, buckets=ITL_BUCKETS_S,
+        ).labels(model_name)  # fmt: skip
         self.redis = RedisHealth(registry)
         self.index_available = Gauge(
             metric_name("index_available"),

@@ -265,6 +265,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             self.metrics.requests,
         )
+        self.metrics.request_prompt_tokens.observe(len(prompt))  # a valid request arrived
         self.num_in_flight += 1
         self._request_ids.add(request_id)
         route: Route | None = None
@@ -353,7 +354,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         first: gateway_pb2.GenerateResponse | None = None
         prefilled = None
         if route.prefill is not None:
-            prefilled = await self.prefiller.prefill(routed)
+            # Counted on its decode worker from now: requests routed while others prefill
+            # would all pick the same decode worker (its heartbeat does not know them yet).
+            with self.router.calling(route.decode.worker_id):
+                prefilled = await self.prefiller.prefill(routed)
         if prefilled is None:
             decode_request.local_prefill = True
         else:

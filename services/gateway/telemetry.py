@@ -77,6 +77,10 @@ def record_request(
         reason = "abort"  # the client went away
     if reason is not None:
         metrics.requests.finished(reason)
+        metrics.request_generation_tokens.observe(len(relay.generated))
+        if len(relay.generated) > 1 and relay.times.first_at is not None:
+            decode_s = relay.times.last_at - relay.times.first_at
+            metrics.request_time_per_output_token.observe(decode_s / (len(relay.generated) - 1))
         metrics.requests.e2e_request_latency.observe(now - relay.arrival)
         metrics.requests.request_queue_time.observe(relay.queue_ms / 1000)
         metrics.prefix_cache_queries.inc(len(relay.prompt))

@@ -24,7 +24,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.contract.model_spec import load_spec
+from common.errors import RoleChangedError
 from common.index.registry import WorkerInfo
+from common.rpc.errors import abort
 from common.rpc.server import Server, create_server
 from common.text.tokenizer import Tokenizer
 from pdserve.common.v1 import common_pb2
@@ -48,7 +50,8 @@ DECODED = [43, 44, 45]
 class FakePrefill(
     prefill_pb2_grpc.PrefillServiceServicer, kv_transfer_pb2_grpc.KvTransferServiceServicer
 ):
-    """mode: ok | unavailable | hang | invalid."""
+    """mode: ok | unavailable | hang | invalid | slow (answers after 0.5 s) | role_changed
+    (refuses: it left the prefill role)."""
 
     worker_id: str
     mode: str = "ok"
@@ -64,6 +67,10 @@ class FakePrefill(
             await asyncio.sleep(3600)
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: scripted")
+        if self.mode == "slow":
+            await asyncio.sleep(0.5)
+        if self.mode == "role_changed":
+            await abort(context, RoleChangedError(f"worker {self.worker_id} serves decode"))
         return prefill_pb2.PrefillResponse(
             first_token_id=FIRST_TOKEN,
             computed_tokens=len(request.prompt_token_ids),
@@ -430,3 +437,31 @@ def test_a_slow_first_token_gets_the_prefill_timeout_on_top_of_the_stall_timeout
         decode_stall_timeout_s=0.5,
         prefill_timeout_s=1.0,
     )
+
+
+def test_requests_prefilling_count_on_their_decode_worker(smollm_dir: Path) -> None:
+    """Requests routed while others prefill spread over the decode workers: each counts on
+    its decode worker from the moment it is routed, not only once its decode call starts."""
+
+    async def body(cluster: Cluster) -> None:
+        results = await asyncio.gather(*(cluster.generate() for _ in range(4)))
+        assert results == [[FIRST_TOKEN, *DECODED]] * 4
+        assert sorted(len(d.requests) for d in cluster.decodes.values()) == [2, 2]
+
+    run_cluster(
+        smollm_dir, {"p0": "slow"}, body,
+        decode_workers=(WorkerInfo("d0", "decode", ""), WorkerInfo("d1", "decode", "")),
+    )  # fmt: skip
+
+
+def test_a_prefill_worker_that_left_its_role_is_no_failure(smollm_dir: Path) -> None:
+    async def body(cluster: Cluster) -> None:
+        cluster.prefer("p-moved")
+        for _ in range(4):
+            assert await cluster.generate() == [FIRST_TOKEN, *DECODED]
+        moved, good = cluster.prefills["p-moved"], cluster.prefills["p-good"]
+        assert good.calls == 4 and moved.calls >= 1
+        # It answered: no breaker opened, no failure counted against it.
+        assert cluster.metric("pdserve:circuit_breaker_trips_total", worker_id="p-moved") == 0
+
+    run_cluster(smollm_dir, {"p-moved": "role_changed", "p-good": "ok"}, body)
