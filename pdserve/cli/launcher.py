@@ -278,17 +278,17 @@ def stop_children(children: list[Child], timeout_s: float = 20.0) -> None:
         groups.setdefault(_STOP_ORDER.get(child.role, 2), []).append(child)
     for _, group in sorted(groups.items()):
         for child in group:
-            _signal(child.pid, signal.SIGTERM)
+            signal_child(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(pid_alive(c.pid) for c in group):
             time.sleep(0.1)
         for child in group:
             if pid_alive(child.pid):
                 print(f"{child.name} ignored SIGTERM; killing", file=sys.stderr)
-                _signal(child.pid, signal.SIGKILL)
+                signal_child(child.pid, signal.SIGKILL)
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
+def signal_child(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 

@@ -71,6 +71,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "secrets": {"decode": "decode-mtls", "blockstore": "blockstore-mtls"},
         }
     },
+    # The planner reads every process's /metrics, so it comes with metrics on.
+    "planner-kubernetes": {"planner": {"enabled": True}, "metrics": {"enabled": True}},
+    "planner-metrics": {
+        "planner": {"enabled": True, "mode": "metrics", "maxWorkers": 12},
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+    },
     "shared-model-fixed-replicas": {
         "model": {"convert": {"enabled": False}, "volume": {"existingClaim": "models"}},
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},

@@ -100,3 +100,22 @@ def test_mtls_probes_check_the_process_with_its_own_certificate(variant: str) ->
         ), name  # fmt: skip
         probed.add(container)
     assert probed == {"prefill", "decode", "blockstore"}  # the gateway's port is plaintext
+
+
+def cli_commands() -> set[str]:
+    (commands,) = [
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    ]
+    return set(commands.choices)
+
+
+@pytest.mark.parametrize("variant", ["planner-kubernetes", "planner-metrics"])
+def test_pdserve_accepts_the_planners_command_line(variant: str) -> None:
+    assert "planner" in check_accepted(VARIANTS[variant])
+    planner = parse(dict(pdserve_commands(VARIANTS[variant]))["planner"])
+    assert (planner.namespace, planner.prefill_deployment, planner.decode_deployment) == (
+        "llm", "demo-pdserve-prefill", "demo-pdserve-decode",
+    )  # fmt: skip
+    assert planner.worker_id == POD_ENV["POD_NAME"]

@@ -437,10 +437,14 @@ def test_bundled_redis_is_a_password_protected_statefulset() -> None:
 
 @variant_names
 def test_pods_run_as_non_root_with_a_read_only_root(variant: str) -> None:
+    planner = VARIANTS[variant].get("planner", {})
     for workload in render(VARIANTS[variant]).workloads():
         spec = pod_spec(workload)
         assert spec["securityContext"]["runAsNonRoot"] is True
-        assert spec["automountServiceAccountToken"] is False
+        # Only the planner calls the Kubernetes API, and only when it scales the workers.
+        scales_workers = planner.get("enabled") and planner.get("mode") in (None, "kubernetes")
+        is_planner = pod_labels(workload).get("app.kubernetes.io/component") == "planner"
+        assert spec["automountServiceAccountToken"] is bool(is_planner and scales_workers)
         for container in containers(workload):
             context = container["securityContext"]
             assert context["readOnlyRootFilesystem"] is True, container["name"]

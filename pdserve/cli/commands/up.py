@@ -16,6 +16,7 @@ import grpc
 
 from common.models.quant.formats import QUANT_KERNELS, QUANTIZATIONS
 from common.rpc.tls import TlsConfig
+from pdserve.cli.commands.planner import add_planner_args, targets_from_args
 from pdserve.cli.engine_args import (
     KV_DTYPE_CHOICES,
     add_compression_args,
@@ -217,6 +218,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Prometheus endpoints: the gateway's at this port, every other process's at the "
         "next ones in start order; 0 = off; default: free ports (pdserve status reads them)",
     )
+    planner = up.add_argument_group(
+        "planner: sets the prefill:decode split from live load (see pdserve planner --help)"
+    )
+    planner.add_argument(
+        "--planner", action="store_true",
+        help="start a planner that changes the workers' roles (and, up to --max-workers, "
+        "starts and stops workers) to meet --ttft-ms and --itl-ms",
+    )  # fmt: skip
+    add_planner_args(planner)
     up.set_defaults(func=run_up)
 
     down = subparsers.add_parser("down", help="stop the stack started by pdserve up")
@@ -230,6 +240,14 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+_PLANNER_FLAGS = ("ttft_ms", "itl_ms", "interval_s", "dwell_s", "min_workers", "max_workers")
+
+
+def _planner_flags(args: argparse.Namespace) -> list[str]:
+    targets_from_args(args)  # both targets given, or a clear error before anything starts
+    return _engine_flags(args, _PLANNER_FLAGS)
 
 
 def _store_flags(args: argparse.Namespace) -> list[str]:
@@ -301,7 +319,7 @@ def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
     if args.metrics_port == 0:
         while True:
             yield 0
-    num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1)
+    num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1) + args.planner
     yield from range(args.metrics_port + 1, args.metrics_port + 1 + num_others)
     yield args.metrics_port
 
@@ -316,6 +334,8 @@ def run_up(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     args.prefill = num_prefill_workers(args)
+    if args.planner:
+        _planner_flags(args)
     model = resolve_model(args.model)  # converts the default model once, before any worker
     logs = run_dir() / "logs"
     python = [sys.executable, "-m", "pdserve", "--log-level", "INFO"]
@@ -411,6 +431,12 @@ def run_up(args: argparse.Namespace) -> int:
         gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}", keys)
         state.gateway = gateway.address
         state.save(state_path)
+        if args.planner:
+            port = free_port()
+            planner_argv = [*python, "planner", "--port", str(port), "--model", model,
+                            "--connector", "local", "--stack-state", str(state_path),
+                            *_planner_flags(args)]  # fmt: skip
+            workers.append(launch("planner", "planner", planner_argv, f"127.0.0.1:{port}"))
         internal = pki.client_credentials() if args.mtls and pki is not None else None
         for child in [*workers, gateway]:
             credentials = public_ca if child is gateway else internal
@@ -451,6 +477,8 @@ def _foreground(state: StackState, state_path: Path) -> int:
     signal.signal(signal.SIGINT, stop)
     print("serving; Ctrl-C stops the stack", flush=True)
     while not stopping:
+        # Re-read: a planner starts and stops workers (a worker it stopped is no longer listed).
+        state = StackState.load(state_path) or state
         dead = [c for c in state.children if c not in state.alive()]
         if dead:
             print(

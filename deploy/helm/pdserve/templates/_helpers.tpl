@@ -327,11 +327,12 @@ initContainers:
 {{- end }}
 {{- end }}
 
-{{/* Pod-level settings shared by the pdserve Deployments. */}}
+{{/* Pod-level settings shared by the pdserve Deployments. A role with a ServiceAccount of its
+own (the planner) passes .serviceAccountName and .automountToken. */}}
 {{- define "pdserve.podSpecCommon" -}}
 {{- $root := .root -}}
-serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
-automountServiceAccountToken: {{ $root.Values.automountServiceAccountToken }}
+serviceAccountName: {{ .serviceAccountName | default (include "pdserve.serviceAccountName" $root) }}
+automountServiceAccountToken: {{ ternary .automountToken $root.Values.automountServiceAccountToken (hasKey . "automountToken") }}
 enableServiceLinks: false
 terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
 securityContext:

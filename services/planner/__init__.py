@@ -1,0 +1,1 @@
+"""The SLA planner (``pdserve planner``): sets how many engine workers hold each role."""
