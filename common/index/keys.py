@@ -10,6 +10,9 @@
 | ``pdserve:v1:{model}:expert_load:{worker}:meta`` | hash | layers, num_experts, window_ms, windows, updated_ms | TTL, refreshed on publish |
 | ``pdserve:v1:{model}:expert_load:{worker}:{layer}:w:{bucket}`` | hash | ``p{e}`` / ``d{e}`` -> tokens routed to expert e in prefill / decode during window ``bucket`` (= unix ms // window_ms) | expires ``windows`` windows after its own ends |
 | ``pdserve:v1:{model}:expert_load:{worker}:{layer}:total`` | hash | the same fields since the worker started | TTL, refreshed on publish |
+| ``pdserve:v1:{model}:profile:{slug}`` | string | a measured ``WorkerProfile`` as JSON; ``slug`` = ``ProfileKey.slug()`` (model, weight format, threads, device) | TTL (30 days), renewed on put |
+| ``pdserve:v1:{model}:profiles`` | set | the slugs of the model's profiles (expired ones pruned on read) | TTL (30 days), renewed on put |
+| ``pdserve:v1:{model}:profile_lock:{slug}`` | string | the worker id measuring this profile now (the others wait for it) | TTL (the measurement's bound) |
 
 Expert load is per model, worker and decoder layer; the reader (``pdserve experts``) adds
 workers up. Memory is bounded: per worker and MoE layer at most ``windows + 1`` live window
@@ -32,6 +35,12 @@ def _worker(worker_id: str) -> str:
     if not worker_id or any(c in worker_id for c in " \n:{}"):
         raise ValueError(f"worker id {worker_id!r} cannot be part of an expert-load key")
     return worker_id
+
+
+def _slug(slug: str) -> str:
+    if not slug or any(c in slug for c in " \n:{}"):
+        raise ValueError(f"profile slug {slug!r} cannot be part of a Redis key")
+    return slug
 
 
 def block(model: str, block_hash: int) -> str:
@@ -64,6 +73,18 @@ def expert_window(model: str, worker_id: str, layer: int, bucket: int) -> str:
 
 def expert_total(model: str, worker_id: str, layer: int) -> str:
     return f"{PREFIX}{_model(model)}:expert_load:{_worker(worker_id)}:{layer}:total"
+
+
+def profile(model: str, slug: str) -> str:
+    return f"{PREFIX}{_model(model)}:profile:{_slug(slug)}"
+
+
+def profiles(model: str) -> str:
+    return f"{PREFIX}{_model(model)}:profiles"
+
+
+def profile_lock(model: str, slug: str) -> str:
+    return f"{PREFIX}{_model(model)}:profile_lock:{_slug(slug)}"
 
 
 def expert_field(phase: int, expert: int) -> str:

@@ -116,6 +116,26 @@ class BlockPool:
         drained, self.evicted = (self.evicted or []), ([] if self.evicted is not None else None)
         return drained
 
+    def forget(self, block_hashes: Iterable[BlockHash]) -> int:
+        """As if these hashes had never been cached (a profile's throwaway prompts, which no
+        request asks for again and nobody published): their unreferenced blocks leave the
+        prefix cache for the head of the free queue, to be reused before any block still
+        cached, and evictions of them not yet drained are dropped. Returns how many blocks
+        were forgotten."""
+        forgotten = dict.fromkeys(block_hashes)  # in the order given, once each
+        count = 0
+        for block_hash in forgotten:
+            block = self._cached.get(block_hash)
+            if block is None or block.ref_count > 0:
+                continue
+            del self._cached[block_hash]
+            block.block_hash = None
+            self._free.move_to_end(block.block_id, last=False)
+            count += 1
+        if self.evicted:
+            self.evicted = [h for h in self.evicted if h not in forgotten]
+        return count
+
     def evict_all_cached(self) -> int:
         """Forgets every unreferenced cached block (for tests and cache resets)."""
         count = 0

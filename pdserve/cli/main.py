@@ -19,6 +19,8 @@ from pdserve.cli.commands import (
     generate,
     health,
     perplexity,
+    planner,
+    profile,
     restart,
     role,
     status,
@@ -37,10 +39,12 @@ COMMANDS = (
     experts,
     gateway,
     worker,
+    planner,
     blockstore,
     convert,
     bench,
     perplexity,
+    profile,
 )
 
 

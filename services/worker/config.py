@@ -12,6 +12,9 @@ from common.planner.types import ENGINE_ROLES
 from common.rpc.tls import TlsConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# At start: reuse the profile of this model, weights, threads and device from Redis or the
+# local cache and measure only when there is none (auto), always measure, or hold none.
+PROFILE_MODES = ("auto", "measure", "off")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class WorkerConfig:
     expert_load_windows: int = 60
     expert_metrics_per_expert: bool = False  # also a counter per (layer, expert, phase)
     tls: TlsConfig | None = None  # mutual TLS on every gRPC hop, served and dialled
+    profile: str = "off"  # one of PROFILE_MODES (the CLI's default is auto)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,8 @@ class WorkerConfig:
             raise ValueError("kv_pull_timeout_s and blockstore_timeout_s must be positive")
         if self.expert_load_interval_s <= 0 or self.expert_load_window_s <= 0:
             raise ValueError("expert_load_interval_s and expert_load_window_s must be positive")
+        if self.profile not in PROFILE_MODES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {self.profile!r}")
         if self.expert_load_windows < 1:
             raise ValueError(f"expert_load_windows must be >= 1, got {self.expert_load_windows}")
 

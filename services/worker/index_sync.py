@@ -60,6 +60,7 @@ class IndexSync:
         # (a big prefill chunk on a busy CPU) must not stop the beat (see heartbeat_once).
         self._stats_read: asyncio.Future[tuple[EngineStats, list[int]]] | None = None
         self._last_stats: tuple[EngineStats, float] | None = None  # and when read
+        self._beating = True
 
     async def connect(self, worker_id: str) -> None:
         """Redis from the config (the caller checked there is one); evictions are tracked
@@ -96,8 +97,13 @@ class IndexSync:
 
     # -- the registry entry and the prefix index ----------------------------------------------
 
+    def stop_beating(self) -> None:
+        """Ends ``heartbeat_forever`` at its next turn even if a cancellation of it is lost
+        (Python 3.11's wait_for can swallow one that lands as its inner call completes)."""
+        self._beating = False
+
     async def heartbeat_forever(self) -> None:
-        while True:
+        while self._beating:
             try:
                 await self.heartbeat_once()
             except asyncio.CancelledError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -30,17 +31,20 @@ from prometheus_client import CollectorRegistry
 
 from common.engine.engine import Engine, EngineStats
 from common.engine.engine_loop import EngineLoop
+from common.engine.profiler import profile_key
 from common.errors import (
     DrainingError,
     FailedPreconditionError,
     NotFoundError,
     RoleChangedError,
 )
+from common.index.profiles import ProfileStore
 from common.index.registry import WorkerInfo
 from common.kv.hashing import hash_prompt_blocks
 from common.kv.layout import KvLayout
 from common.kv.leases import LeaseTable
 from common.planner.profile import ProfileKey, WorkerProfile
+from common.planner.profile_files import load_profile, save_profile
 from common.planner.types import DECODE
 from common.rpc.channels import ChannelPool
 from common.rpc.roles import ROLE_PB
@@ -59,6 +63,8 @@ log = logging.getLogger(__name__)
 BACKGROUND_GRACE_S = 5.0  # what stop() waits for background bookkeeping
 # What a role change waits for the decode calls it ended to send their status.
 STREAMS_MOVED_WAIT_S = 10.0
+# Most a worker waits for another of its profile key to measure (and its claim lasts).
+PROFILE_CLAIM_S = 90.0
 
 
 class WorkerRuntime:
@@ -113,6 +119,8 @@ class WorkerRuntime:
         self.loop.start()
         if self.config.redis_url:
             await self.sync.connect(self.worker_id)
+        await self._take_profile()
+        if self.config.redis_url:
             self._tasks.append(asyncio.create_task(self.sync.heartbeat_forever()))
         if self.expert_load is not None:
             self._tasks.append(asyncio.create_task(self.sync.expert_load_forever()))
@@ -121,6 +129,7 @@ class WorkerRuntime:
         log.info("worker %s serving at %s, role %s", self.worker_id, self.address, self.role)
 
     async def stop(self) -> None:
+        self.sync.stop_beating()
         for task in self._tasks:
             task.cancel()
         # Bookkeeping still running (store writes, lease releases retried against a producer
@@ -174,15 +183,14 @@ class WorkerRuntime:
             )
         with tracer().start_as_current_span("role_change") as span:
             previous = self.roles.begin(role, self.worker_id)
-            moved: list[str] = []
+            # Taken now: from here on each of these streams ends at its next output.
+            moved = sorted(self.decode_calls) if not self.roles.serves(DECODE) else []
             try:
                 if previous != role:
                     self.metrics.role_changed(previous, role)
                     # Registered first: a gateway that reads the registry to place a moved
                     # stream sees the new role, not this worker as a decode worker.
                     await self._register_now()
-                if not self.roles.serves(DECODE):
-                    moved = sorted(self.decode_calls)
                 if moved:
                     self.loop.fail(
                         moved,
@@ -252,32 +260,85 @@ class WorkerRuntime:
 
     # -- profile ----------------------------------------------------------------------------
 
+    async def _take_profile(self) -> None:
+        """At start, before serving (common/engine/profiler.py): the profile of this key
+        from Redis or the local cache, else measured now; then kept in both."""
+        mode = self.config.profile
+        if mode == "off":
+            return
+        key = self.profile_key()
+        store = ProfileStore(self.sync.redis) if self.sync.redis is not None else None
+        profile = None
+        if mode == "auto":
+            profile = await self._stored_profile(store, key)
+        if profile is None:
+            profile = await self._measure(key)
+            log.info("profile %s measured in %.1f s", key.slug(), profile.measure_ms / 1000)
+            save_profile(profile)
+        # The speed is the key's; the capacity and bounds are this engine's own.
+        engine = self.engine
+        self.held_profile = dataclasses.replace(
+            profile,
+            block_size=engine.block_size,
+            num_kv_blocks=engine.runner.num_blocks,
+            max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+        )
+        profile = self.held_profile
+        if store is not None:
+            try:
+                await store.put(profile)
+                await store.release(key)
+            except Exception as exc:  # the planner waits for the next worker's
+                log.warning("could not publish the profile to Redis: %s", exc)
+
+    async def _stored_profile(
+        self, store: ProfileStore | None, key: ProfileKey
+    ) -> WorkerProfile | None:
+        """From Redis, else the local cache. When neither has it and another worker of the
+        key is measuring it (its claim in Redis), waits for that one's."""
+        if store is None:
+            return load_profile(key)
+        try:
+            profile = await store.get(key) or load_profile(key)
+            if profile is not None or await store.claim(key, self.worker_id, PROFILE_CLAIM_S):
+                return profile
+            log.info("another worker is measuring profile %s; waiting for it", key.slug())
+            deadline = time.monotonic() + PROFILE_CLAIM_S
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                if (profile := await store.get(key)) is not None:
+                    return profile
+        except Exception as exc:  # Redis is advisory: measure here
+            log.warning("reading profiles from Redis failed: %s", exc)
+        return None
+
+    async def _measure(self, key: ProfileKey) -> WorkerProfile:
+        from common.engine.profiler import measure_profile
+
+        return await self.loop.call(lambda engine: measure_profile(engine, key, quick=True))
+
     async def profile(self, remeasure: bool = False) -> WorkerProfile:
         """The profile held, or measured now on the idle engine (FAILED_PRECONDITION while
         requests run: they would skew it and wait seconds for it)."""
         if remeasure:
-            from common.engine.profiler import measure_profile
-
             stats = await self.stats()
             if stats.num_running or stats.num_waiting or self.num_active_calls:
                 raise FailedPreconditionError(
                     f"worker {self.worker_id} runs {stats.num_running + stats.num_waiting} "
                     "requests; measure an idle worker (set its role elsewhere first)"
                 )
-            self.held_profile = await self.loop.call(
-                lambda engine: measure_profile(engine, self.profile_key(), quick=True)
-            )
+            self.held_profile = await self._measure(self.profile_key())
+            save_profile(self.held_profile)
+            if self.sync.redis is not None:
+                await ProfileStore(self.sync.redis).put(self.held_profile)
         if self.held_profile is None:
             raise NotFoundError(f"worker {self.worker_id} holds no profile; remeasure")
         return self.held_profile
 
     def profile_key(self) -> ProfileKey:
-        return ProfileKey(
-            self.model,
-            self.engine.weight_identity or "",
-            self.config.engine.num_threads or 0,
-            self.tier,
-        )
+        return profile_key(self.engine, self.model)
 
     # -- status -----------------------------------------------------------------------------
 

@@ -90,3 +90,30 @@ def test_longest_cached_prefix_stops_at_first_miss() -> None:
         pool.cache(block, BlockHash(h))
     assert ids(pool.longest_cached_prefix([BlockHash(h) for h in (1, 2, 3, 4)])) == [0, 1]
     assert pool.longest_cached_prefix([BlockHash(9)]) == []
+
+
+def test_forgotten_hashes_leave_the_cache_and_their_blocks_are_reused_first() -> None:
+    pool = BlockPool(5)
+    pool.track_evictions()
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        pool.cache(block, BlockHash(100 + i))
+    pool.free(blocks[:4])  # free queue: 0, 1, 2, 3; block 4 still referenced
+    # 102 and 103 are forgotten; 104 is in use, 999 unknown: both left as they are.
+    assert pool.forget([BlockHash(103), BlockHash(102), BlockHash(104), BlockHash(999)]) == 2
+    assert pool.cached(BlockHash(102)) is None and pool.cached(BlockHash(103)) is None
+    assert pool.cached(BlockHash(104)) is blocks[4]
+    assert ids(pool.allocate(3)) == [2, 3, 0]  # forgotten first, then the LRU order
+    assert pool.drain_evicted() == [BlockHash(100)]  # a forgotten hash is no eviction
+
+
+def test_forgetting_drops_evictions_not_yet_drained() -> None:
+    pool = BlockPool(2)
+    pool.track_evictions()
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], BlockHash(7))
+    pool.cache(blocks[1], BlockHash(8))
+    pool.free(blocks)
+    pool.allocate(2)  # evicts 7 and 8
+    assert pool.forget([BlockHash(8)]) == 0  # no block holds it any more
+    assert pool.drain_evicted() == [BlockHash(7)]

@@ -12,7 +12,7 @@ from common.planner.types import ENGINE_ROLES
 from pdserve.cli.commands.security_args import add_tls_args, tls_from_args
 from pdserve.cli.commands.telemetry_args import add_metrics_port_arg
 from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
-from services.worker.config import KV_LOAD_FAILURE_POLICIES, WorkerConfig
+from services.worker.config import KV_LOAD_FAILURE_POLICIES, PROFILE_MODES, WorkerConfig
 
 DEFAULT_PORTS = {"prefill": 50052, "decode": 50053, "worker": 50054}
 
@@ -67,6 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help="most a KV pull from a prefill worker may take before the block store "
             "and recompute take over",
         )
+        parser.add_argument(
+            "--profile", choices=PROFILE_MODES, default="auto",
+            help="at start, the worker's measured profile (what the planner sizes roles "
+            "with): auto reuses the one of this model, weights, threads and device from Redis "
+            "or $PDSERVE_CACHE/profiles and measures only when there is none (seconds); "
+            "measure always; off none",
+        )  # fmt: skip
         moe = parser.add_argument_group("expert load (MoE models)")
         moe.add_argument(
             "--expert-load-interval-s", type=float, default=5.0,
@@ -116,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         expert_load_windows=args.expert_load_windows,
         expert_metrics_per_expert=args.expert_metrics_per_expert,
         tls=tls_from_args(args),
+        profile=args.profile,
     )
 
 
