@@ -115,8 +115,8 @@ def test_each_role_admits_its_faces_and_refuses_the_other(tiny_dir: Path) -> Non
 
             changed = await w.control.SetRole(worker_pb2.SetRoleRequest(role=BOTH))
             assert (changed.previous_role, changed.role) == (PREFILL, BOTH)
-            assert len(sum((list(m.token_ids) for m in await read_all(
-                w.decode.Decode(decode_request("d2", 3)))), [])) == 3  # fmt: skip
+            messages = await read_all(w.decode.Decode(decode_request("d2", 3)))
+            assert sum(len(m.token_ids) for m in messages) == 3
             assert (await w.prefill.Prefill(prefill_request("p2"))).kv_handle.num_tokens
 
             await w.control.SetRole(worker_pb2.SetRoleRequest(role=DECODE))
