@@ -160,3 +160,18 @@ def test_role_flips_under_load_lose_and_alter_nothing(role_stack: Stack) -> None
     }  # fmt: skip
     assert_nothing_held(role_stack)
     assert_serving(role_stack)
+
+
+def test_bad_role_requests_get_a_status_that_says_why(role_stack: Stack) -> None:
+    unknown = role_stack.cli("role", "decode-9", "prefill", "--target", role_stack.target)
+    assert unknown.returncode == 1
+    assert "NOT_FOUND" in unknown.stderr and "'decode-9'" in unknown.stderr
+    assert "decode-0" in unknown.stderr  # it lists the engine workers there are
+    bad_role = role_stack.cli("role", "decode-0", "banana", "--target", role_stack.target)
+    assert bad_role.returncode == 1
+    assert "INVALID_ARGUMENT" in bad_role.stderr and "WORKER_ROLE_PREFILL" in bad_role.stderr
+    not_engine = role_stack.cli("role", "gateway-0", "decode", "--target", role_stack.target)
+    assert not_engine.returncode == 1 and "NOT_FOUND" in not_engine.stderr
+    # Nothing changed.
+    roles = {w["id"]: w["role"] for w in status_json(role_stack) if "num_role_changes" in w}
+    assert roles == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}

@@ -327,3 +327,27 @@ def test_a_connector_that_fails_is_logged_and_the_next_interval_tries_again(
     outcome = {"outcome": "apply_failed"}
     assert registry.get_sample_value("pdserve:planner_decisions_total", outcome) == 1
     assert "cannot be reached (scripted)" in caplog.text
+
+
+def test_targets_no_split_can_meet_are_said_and_the_best_plan_is_kept(
+    synthetic_profile: WorkerProfile, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock, gateways = FakeClock(), Gateways()
+    gateways.add(9001)
+    connector = ScriptedConnector(Split(1, 1))
+    loop, registry = planner_loop([synthetic_profile], connector, gateways, clock)
+    loop.config = dataclasses.replace(loop.config, targets=Targets(ttft_ms=1, itl_ms=0.1))
+
+    async def body() -> None:
+        await loop.observer.observe()
+        for _ in range(30):
+            gateways.serve(1500, 64, 2.0, 0.05, 9001)
+        clock.advance(10)
+        return await loop.step()
+
+    decision = asyncio.run(body())
+    assert decision is not None and not decision.targets_met
+    assert "misses" in decision.reason
+    assert registry.get_sample_value("pdserve:planner_targets_met") == 0
+    assert "NO SPLIT MEETS THE TARGETS" in caplog.text
+    assert connector.split == decision.split  # the best it has is in force

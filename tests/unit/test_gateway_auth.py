@@ -67,3 +67,37 @@ def test_tenant_salts_are_injective_and_isolate_tenants() -> None:
     assert hash_prompt_blocks(tokens, 16, tenant_cache_salt("b", "")) != a_blocks
     assert hash_prompt_blocks(tokens, 16, None) != a_blocks
     assert hash_prompt_blocks(tokens, 16, tenant_cache_salt("a", "")) == a_blocks
+
+
+class _Call:
+    def __init__(self, key: str | None) -> None:
+        self.metadata = [("authorization", f"Bearer {key}")] if key else []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+
+def test_only_an_admin_tenants_key_may_change_roles(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from common.errors import PermissionDeniedError
+    from services.gateway.admin import AdminServicer
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("user-key alice\nops-key ops\n")
+    keys = ApiKeys.load([], str(keys_file))
+    admin = AdminServicer(
+        SimpleNamespace(config=SimpleNamespace(api_keys=keys)),  # type: ignore[arg-type]
+        frozenset({"ops"}),
+    )
+    admin._check_admin(_Call("ops-key"))  # type: ignore[arg-type]
+    with pytest.raises(PermissionDeniedError, match="'alice' may not change the cluster"):
+        admin._check_admin(_Call("user-key"))  # type: ignore[arg-type]
+    with pytest.raises(UnauthenticatedError):
+        admin._check_admin(_Call(None))  # type: ignore[arg-type]
+    # Without keys the gateway is open, AdminService too.
+    open_admin = AdminServicer(
+        SimpleNamespace(config=SimpleNamespace(api_keys=None)),  # type: ignore[arg-type]
+        frozenset(),
+    )
+    open_admin._check_admin(_Call(None))  # type: ignore[arg-type]
