@@ -175,3 +175,11 @@ def test_bad_role_requests_get_a_status_that_says_why(role_stack: Stack) -> None
     # Nothing changed.
     roles = {w["id"]: w["role"] for w in status_json(role_stack) if "num_role_changes" in w}
     assert roles == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+
+def test_a_running_workers_profile_through_the_gateway(role_stack: Stack) -> None:
+    shown = role_stack.cli("profile", "--worker", "decode-0", "--target", role_stack.target)
+    assert shown.returncode == 0, shown.stderr
+    assert "decode" in shown.stdout and "prefill" in shown.stdout and "KV" in shown.stdout
+    status = {w["id"]: w for w in status_json(role_stack)}
+    assert status["decode-0"]["profile"]["kv_capacity_tokens"] > 0

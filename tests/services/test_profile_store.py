@@ -16,6 +16,7 @@ from common.index import keys
 from common.index.profiles import DEFAULT_TTL_S, ProfileStore
 from common.planner.profile import ProfileKey, WorkerProfile
 from common.planner.profile_files import load_profile
+from pdserve.cli.launcher import free_port
 from pdserve.cli.main import main as cli_main
 from tests.factories import make_tiny_checkpoint
 from tests.redis_server import redis_server
@@ -145,6 +146,9 @@ async def _stored(url: str, key: ProfileKey) -> WorkerProfile | None:
         await client.aclose()
 
 
-def test_profile_command_has_no_remote_mode_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["profile", "--worker", "w1", "--target", "127.0.0.1:50051"]) == 2
-    assert "--worker/--target is not available yet" in capsys.readouterr().err
+def test_profile_command_says_when_the_gateway_cannot_be_reached(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    port = free_port()  # nothing listens there
+    assert cli_main(["profile", "--worker", "w1", "--target", f"127.0.0.1:{port}"]) == 1
+    assert "pdserve profile: UNAVAILABLE" in capsys.readouterr().err

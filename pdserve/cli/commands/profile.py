@@ -103,6 +103,7 @@ async def ask_worker(args: argparse.Namespace) -> WorkerProfile | None:
     """The profile a running worker holds (or measures now), found through the gateway."""
     import grpc
 
+    from common.planner.profile import WorkerProfile
     from pdserve.client import GatewayClient
     from pdserve.worker.v1 import worker_pb2, worker_pb2_grpc
 

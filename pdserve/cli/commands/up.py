@@ -319,7 +319,8 @@ def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
     if args.metrics_port == 0:
         while True:
             yield 0
-    num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1) + args.planner
+    num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1)
+    num_others += bool(getattr(args, "planner", False))
     yield from range(args.metrics_port + 1, args.metrics_port + 1 + num_others)
     yield args.metrics_port
 
