@@ -19,6 +19,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+# Prometheus bucket bounds (le) for the histograms of prompt and output lengths in tokens
+# that the planner reads (the gateway's, and the simulator's windows): powers of two with
+# their 1.5x between, so a bucket's middle is within 20 % of any length in it.
+LENGTH_BUCKETS = (
+    1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+    2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072,
+    math.inf,
+)  # fmt: skip
+
 PREFILL = "prefill"
 DECODE = "decode"
 BOTH = "both"
@@ -90,6 +99,38 @@ class Distribution:
             if not math.isinf(upper):
                 lower = upper
         return cls.of(values, weights)
+
+    def compact(self, max_values: int = 0) -> Distribution:
+        """Equal values merged; with ``max_values``, at most that many values: runs of
+        neighbouring values of about equal weight, each at its weighted mean (the mean is
+        kept exactly)."""
+        merged: dict[float, float] = {}
+        for v, w in zip(self.values, self.weights, strict=True):
+            merged[v] = merged.get(v, 0.0) + w
+        values, weights = list(merged), list(merged.values())
+        if not max_values or len(values) <= max_values:
+            return Distribution(tuple(values), tuple(weights))
+        share = sum(weights) / max_values
+        groups: list[tuple[float, float]] = []
+        mass = moment = 0.0
+        for v, w in zip(values, weights, strict=True):
+            mass += w
+            moment += v * w
+            if mass >= share * (1 - 1e-9):
+                groups.append((moment / mass, mass))
+                mass = moment = 0.0
+        if mass > 0:
+            groups.append((moment / mass, mass))
+        return Distribution(tuple(v for v, _ in groups), tuple(w for _, w in groups))
+
+    def with_mean(self, mean: float) -> Distribution:
+        """The values scaled so that their mean is ``mean``: a histogram's bucket middles
+        corrected by its exact ``_sum / _count``."""
+        current = self.mean()
+        if current <= 0 or mean <= 0:
+            return self
+        factor = mean / current
+        return Distribution(tuple(v * factor for v in self.values), self.weights)
 
     @property
     def total_weight(self) -> float:

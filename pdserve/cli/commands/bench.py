@@ -3,6 +3,7 @@
 pdserve bench serve [--backend pdserve|openai|openai-chat] [--base-url URL] ...
 pdserve bench scenario NAME|all [--small] [--result-dir DIR] [--model DIR]
 pdserve bench soak [--duration-s S] [--load-fraction F] [--result-dir DIR]
+pdserve bench plan-sim [--workload shift|mooncake|rate-step] [--workers N ...] [--profile P]
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_soak_args(soak)
     soak.set_defaults(func=run_soak)
+    from loadtest.plan_sim.cli import add_plan_sim_args
+
+    plan_sim = kinds.add_parser(
+        "plan-sim", help="the SLA planner against every fixed split, in a simulated fleet",
+        description="A discrete-event model of N engine workers built from a worker profile "
+        "replays a workload at each fleet size, with every fixed prefill:decode split of that "
+        "size and with the planner in the loop, and reports SLA attainment, goodput per "
+        "worker and worker-seconds. --calibrate compares it with a recorded real run.",
+    )  # fmt: skip
+    add_plan_sim_args(plan_sim)
+    plan_sim.set_defaults(func=run_plan_sim)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -55,6 +67,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     result = asyncio.run(serve(args))
     return 0 if result["completed"] else 1
+
+
+def run_plan_sim(args: argparse.Namespace) -> int:
+    from loadtest.plan_sim.cli import run_plan_sim as plan_sim
+
+    return plan_sim(args)
 
 
 def run_soak(args: argparse.Namespace) -> int:
