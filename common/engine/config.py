@@ -63,6 +63,9 @@ class EngineConfig:
     # auto = triton on CUDA; on CPU cpp (fused C++ ops) for quantized weights, else torch
     attention_backend: str = "auto"
     kv_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 quantize the KV cache
+    # CPU: write the whole KV pool at start, so that no request pays the page faults of its
+    # blocks' first use (the pool's memory is held from start); off = mapped as first used.
+    kv_prefault: bool = False
     hash_seed: str = ""
     # torch's CPU threads for this process; None = torch's default (one per core). Several
     # engines on one machine should share its cores out: more threads than cores make
@@ -180,14 +183,16 @@ class EngineConfig:
             "quant_kernel": os.environ.get("PDSERVE_QUANT_KERNEL"),
             "quant_act_bits": os.environ.get("PDSERVE_QUANT_ACT_BITS"),
             "fused_decode": os.environ.get("PDSERVE_FUSED_DECODE"),
+            "kv_prefault": os.environ.get("PDSERVE_KV_PREFAULT"),
             "speculative_config": os.environ.get("PDSERVE_SPECULATIVE_CONFIG"),
         }
         values: dict[str, object] = {k: v for k, v in env.items() if v}
         for name in ("num_threads", "quant_act_bits"):
             if name in values:
                 values[name] = int(str(values[name]))
-        if "fused_decode" in values:
-            values["fused_decode"] = str(values["fused_decode"]).lower() not in ("0", "false", "no")
+        for name in ("fused_decode", "kv_prefault"):
+            if name in values:
+                values[name] = str(values[name]).lower() not in ("0", "false", "no")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(model=model, **values)  # type: ignore[arg-type]
 

@@ -47,15 +47,29 @@ log = logging.getLogger(__name__)
 PROMPT_LOGITS_SLICE = 128
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On a CPU its memory comes from calloc (numpy's zeros), which for a
-    large block maps fresh zero pages without touching them: the KV pool occupies memory
-    as blocks are written, not all of it at start (torch.zeros writes every byte)."""
+def _zeroed(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False
+) -> torch.Tensor:
+    """A zeroed tensor. On a CPU its memory is an anonymous mapping, whose fresh zero pages
+    the kernel supplies on first touch: the KV pool occupies memory as blocks are written,
+    not all of it at start (torch.zeros writes every byte). It asks for transparent huge
+    pages, so that a first touch maps 2 MiB at once rather than 4 KiB: on this machine's VM
+    a 69 MB prompt's KV costs about 100 ms of page faults in 4 KiB pages, 40 ms in 2 MiB.
+    ``prefault`` writes the whole pool at start instead (its memory held from then on), so
+    that no request pays a fault."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
+    import mmap
 
-    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
+    nbytes = math.prod(shape) * dtype.itemsize
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel without THP keeps 4 KiB pages
+            region.madvise(advice)
+    raw = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]  # holds the mapping alive
+    if prefault:
+        raw.zero_()
     return raw.view(dtype).view(shape)
 
 
@@ -123,7 +137,7 @@ class ModelRunner:
         self.num_blocks = num_blocks_for_budget(config, spec, self.kv_dtype)
         L, N, Hkv = spec.num_layers, self.num_blocks, spec.num_kv_heads
         shape = (L, 2, N, self.block_size, Hkv, spec.head_dim)
-        self.kv_cache = _zeroed(shape, self.kv_dtype, self.device)
+        self.kv_cache = _zeroed(shape, self.kv_dtype, self.device, config.kv_prefault)
         self.kv_scales: torch.Tensor | None = None  # [L, 2, N, Hkv] float32
         if self.kv_quantized:
             self.kv_scales = new_kv_scales((L, 2, N, Hkv), self.device)

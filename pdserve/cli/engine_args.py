@@ -61,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "with a scale per block and kv head (env PDSERVE_KV_DTYPE)",
     )
     group.add_argument(
+        "--kv-prefault",
+        action="store_true",
+        default=None,
+        help="CPU: write the whole KV pool at start, so that no request pays page faults for "
+        "its blocks' first use (the pool's memory is held from start; env PDSERVE_KV_PREFAULT)",
+    )
+    group.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -154,6 +161,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
         kv_dtype=args.kv_dtype,
+        kv_prefault=args.kv_prefault,
         num_threads=args.threads,
         enable_prefix_caching=False if args.no_prefix_caching else None,
         quantization=args.quantization,

@@ -25,7 +25,7 @@ UP_ARGV = [
     "--quantization", "int4", "--quant-group-size", "64", "--quant-kernel", "torch",
     "--quant-act-bits", "8", "--kv-dtype", "int8", "--kv-eviction", "streaming", "--sink-tokens", "4",
     "--window-tokens", "512", "--kv-compression", "snapkv", "--snapkv-budget-tokens", "640",
-    "--snapkv-window-tokens", "24",
+    "--snapkv-window-tokens", "24", "--kv-prefault",
 ]  # fmt: skip
 
 

@@ -65,6 +65,7 @@ class Pki:
 _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size", "kv_dtype",
+    "kv_prefault",
     "quantization", "quant_group_size", "quant_kernel", "quant_act_bits",
     "kv_compression", "snapkv_budget_tokens", "snapkv_window_tokens",
 )  # fmt: skip
@@ -198,6 +199,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="every worker's KV cache (see pdserve decode --help); int8 / fp8 blocks move "
         "between workers and through the block store with their scales",
     )
+    up.add_argument(
+        "--kv-prefault",
+        action="store_true",
+        default=None,
+        help="every worker writes its KV pool at start (see pdserve worker --help)",
+    )
     quant = up.add_argument_group("weight format (see pdserve prefill --help)")
     quant.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     quant.add_argument("--quant-group-size", type=int, default=None)
@@ -237,7 +244,9 @@ def _engine_flags(args: argparse.Namespace, names: tuple[str, ...] = _ENGINE_FLA
     flags: list[str] = []
     for name in names:
         value = getattr(args, name)
-        if value is not None:
+        if value is True:  # a switch
+            flags.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
 
