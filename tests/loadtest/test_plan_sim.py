@@ -214,3 +214,27 @@ def test_a_recorded_run_loads_with_its_phases_and_changes(tmp_path: Path) -> Non
     assert [(r.arrival_s, r.phase, r.cached_tokens) for r in workload.requests] == [
         (1.0, "A", 0), (12.0, "B", 16),
     ]  # fmt: skip
+
+
+def test_what_the_live_bench_records_is_what_calibration_reads(tmp_path: Path) -> None:
+    """loadtest/bench_planner.py's RUN.json (the planner's changes as seen live) loads."""
+    import argparse
+
+    from loadtest.bench_planner import Result, record
+
+    args = argparse.Namespace(
+        threads=1, workers=2, profile="profile-t1.json", local_prefill_tokens=16,
+        ttft_ms=10000.0, itl_ms=30.0, phase_s=120.0,
+    )  # fmt: skip
+    result = Result("planner", splits=[(0.6, Split(1, 1)), (16.8, Split(0, 2))])
+    result.requests = [
+        {"phase": "A", "arrival_s": 3.2, "prompt_tokens": 1500, "cached_tokens": 0,
+         "output_tokens": 8, "ttft_ms": 3154.0, "itl_ms": 67.4, "ok": 1, "error": ""},
+        {"phase": "B", "arrival_s": 121.0, "prompt_tokens": 50, "cached_tokens": 0,
+         "output_tokens": 256, "ttft_ms": 118.0, "itl_ms": 15.3, "ok": 1, "error": ""},
+    ]  # fmt: skip
+    record(result, args, tmp_path, Split(1, 1))
+    raw, workload, changes, initial = load_run(tmp_path / "run-planner.json")
+    assert initial == Split(1, 1) and changes == [(16.8, Split(0, 2))]
+    assert raw["profile"] == "profile-t1.json"
+    assert [(r.phase, r.prompt_tokens) for r in workload.requests] == [("A", 1500), ("B", 50)]
