@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server (and llama-bench) once, from the llama.cpp vendored in the llama-cpp-python
+# Builds llama.cpp's llama-server (and llama-bench, llama-quantize, llama-perplexity) once, from the llama.cpp vendored in the llama-cpp-python
 # sdist on PyPI, into a cache outside the repo (not part of CI: about 25-40 min on 2 cores).
 #
 #   bash loadtest/baselines/build_llama_server.sh      # prints the binary's path when done
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 
 cache="${LLAMA_CPP_CACHE:-$HOME/.cache/pdserve/llama.cpp}"
 binary="$cache/bin/llama-server"
-if [[ -x "$binary" ]]; then
+if [[ -x "$binary" && -x "$cache/bin/llama-quantize" && -x "$cache/bin/llama-perplexity" ]]; then
   echo "$binary"
   exit 0
 fi
@@ -37,10 +37,15 @@ cmake -S "$llama" -B "$cache/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF 
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >"$cache/cmake.log"
-# llama-bench too: llama.cpp's own single-stream decode figure (tg) on the same file.
-cmake --build "$cache/build" --target llama-server llama-bench -j "$jobs" >"$cache/build.log"
+# llama-bench too: llama.cpp's own single-stream decode figure (tg) on the same file;
+# llama-quantize makes the K-quant files (loadtest/baselines/make_kquants.sh) and
+# llama-perplexity is the reference for their quality.
+cmake --build "$cache/build" --target llama-server llama-bench llama-quantize llama-perplexity \
+  -j "$jobs" >"$cache/build.log"
 mkdir -p "$cache/bin"
-cp "$cache/build/bin/llama-bench" "$cache/bin/llama-bench"
+for tool in llama-bench llama-quantize llama-perplexity; do
+  cp "$cache/build/bin/$tool" "$cache/bin/$tool"
+done
 cp "$cache/build/bin/llama-server" "$binary"
 echo "$(basename "$sdist") -> $binary" >"$cache/bin/VERSION"
 echo "$binary"
