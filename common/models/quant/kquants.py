@@ -93,11 +93,8 @@ class AffineCodes:
 def read_kquant(type_name: str, data: np.ndarray, rows: int, k: int) -> AffineCodes:
     """The tensor whose raw GGUF bytes are ``data`` (uint8, rows x K/block x bytes), in the
     affine form. K must be a multiple of the type's block (256 for K-quants)."""
-    per_block, block_bytes, group = KQUANT_TYPES[type_name]
-    if k % per_block:
-        raise ValueError(f"{type_name} needs K to be a multiple of {per_block}, got {k}")
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows * (k // per_block), block_bytes)
-    codes, scales, offsets = _READERS[type_name](blocks)
+    group = KQUANT_TYPES[type_name][2]
+    codes, scales, offsets = block_parts(type_name, data, rows, k).affine()
     return AffineCodes(
         torch.from_numpy(codes.reshape(rows, k)),
         torch.from_numpy(scales.reshape(rows, k // group)),
@@ -107,10 +104,42 @@ def read_kquant(type_name: str, data: np.ndarray, rows: int, k: int) -> AffineCo
     )
 
 
-# -- per type: blocks uint8 [B, bytes] -> codes int8 [B, per_block], scales, offsets [B, G] --
+# -- per type: blocks uint8 [B, bytes] -> the block's parts ----------------------------------
 
 
-Parts = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+@dataclass
+class KParts:
+    """One type's blocks taken apart, [B] blocks of ``per_block`` weights: unsigned codes
+    ``u`` (the code plus ``bias``), the block's float16 ``d`` (and ``dmin``) as float32, and
+    per group its integer scale ``sc`` (and min ``m``). The weight is
+    ``(u - bias) * (d * sc) + sign * (dmin * m)``, with ``sign`` -1 for the K-quants' mins
+    and +1 for Q5_1's (whose ``m`` is 1 and ``dmin`` its float16 min)."""
+
+    u: np.ndarray  # uint8 [B, per_block], < 2 ** bits
+    bits: int
+    bias: int
+    d: np.ndarray  # float32 [B, 1]
+    sc: np.ndarray  # int16 [B, groups]
+    dmin: np.ndarray | None = None  # float32 [B, 1]
+    m: np.ndarray | None = None  # int16 [B, groups]
+    sign: float = -1.0
+
+    def affine(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        codes = (self.u.astype(np.int16) - self.bias).astype(np.int8)
+        scales = self.d * self.sc.astype(np.float32)
+        if self.dmin is None or self.m is None:
+            return codes, scales, None
+        mins = self.dmin * self.m.astype(np.float32)
+        return codes, scales, (-mins if self.sign < 0 else mins)
+
+
+def block_parts(type_name: str, data: np.ndarray, rows: int, k: int) -> KParts:
+    """The tensor whose raw GGUF bytes are ``data`` taken apart, blocks in row order."""
+    per_block, block_bytes, _ = KQUANT_TYPES[type_name]
+    if k % per_block:
+        raise ValueError(f"{type_name} needs K to be a multiple of {per_block}, got {k}")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows * (k // per_block), block_bytes)
+    return _READERS[type_name](blocks)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -133,7 +162,7 @@ def _six_bit_pairs(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low_sc, low_m, mixed = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     scales = np.concatenate([low_sc & 63, (mixed & 15) | ((low_sc >> 6) << 4)], axis=1)
     mins = np.concatenate([low_m & 63, (mixed >> 4) | ((low_m >> 6) << 4)], axis=1)
-    return scales, mins
+    return scales.astype(np.int16), mins.astype(np.int16)
 
 
 def _nibbles_by_32(qs: np.ndarray) -> np.ndarray:
@@ -155,50 +184,44 @@ def _bit_planes(bits: np.ndarray, planes: int) -> np.ndarray:
     return _bits(bits.reshape(-1, 1, 32), shifts, 1).reshape(-1, 32 * planes)
 
 
-def _q4_k(blocks: np.ndarray) -> Parts:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+def _q4_k(blocks: np.ndarray) -> KParts:
     sc, m = _six_bit_pairs(blocks[:, 4:16])
-    codes = _nibbles_by_32(blocks[:, 16:144])
-    return codes.astype(np.int8), d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    u = _nibbles_by_32(blocks[:, 16:144])
+    return KParts(u, 4, 0, _f16(blocks, 0), sc, _f16(blocks, 2), m)
 
 
-def _q5_k(blocks: np.ndarray) -> Parts:
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+def _q5_k(blocks: np.ndarray) -> KParts:
     sc, m = _six_bit_pairs(blocks[:, 4:16])
-    high = _bit_planes(blocks[:, 16:48], 8)
-    codes = _nibbles_by_32(blocks[:, 48:176]) | (high << 4)
-    return codes.astype(np.int8), d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    u = _nibbles_by_32(blocks[:, 48:176]) | (_bit_planes(blocks[:, 16:48], 8) << 4)
+    return KParts(u, 5, 0, _f16(blocks, 0), sc, _f16(blocks, 2), m)
 
 
-def _q6_k(blocks: np.ndarray) -> Parts:
+def _q6_k(blocks: np.ndarray) -> KParts:
     ql, qh = blocks[:, 0:128], blocks[:, 128:192]
-    scales = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-    d = _f16(blocks, 208)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.int16)
     # e = 128 h + r: low nibble r // 64 of ql[64 h + r % 64], bits 2 (r // 32) of qh[32 h + r % 32].
     low = _bits(ql.reshape(-1, 2, 1, 64), np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1), 4)
     high = _bits(qh.reshape(-1, 2, 1, 32), np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1), 2)
-    codes = (low.reshape(-1, QK_K) | (high.reshape(-1, QK_K) << 4)).astype(np.int16) - 32
-    return codes.astype(np.int8), d * scales, None
+    u = low.reshape(-1, QK_K) | (high.reshape(-1, QK_K) << 4)
+    return KParts(u, 6, 32, _f16(blocks, 208), sc)
 
 
-def _q3_k(blocks: np.ndarray) -> Parts:
+def _q3_k(blocks: np.ndarray) -> KParts:
     hmask, qs, packed = blocks[:, 0:32], blocks[:, 32:96], blocks[:, 96:108]
-    d = _f16(blocks, 108)
     # Scale i: low 4 bits from nibble i // 8 of byte i % 8, top 2 from bits 2 (i // 4) of
     # byte 8 + i % 4; stored + 32.
     low = _bits(packed[:, 0:8].reshape(-1, 1, 8), np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1), 4)
     top = _bits(packed[:, 8:12].reshape(-1, 1, 4), np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1), 2)
-    scales = (low.reshape(-1, 16) | (top.reshape(-1, 16) << 4)).astype(np.int16) - 32
-    set_high = _bit_planes(hmask, 8)
-    codes = _crumbs(qs).astype(np.int16) - 4 * (1 - set_high.astype(np.int16))
-    return codes.astype(np.int8), d * scales.astype(np.float32), None
+    sc = (low.reshape(-1, 16) | (top.reshape(-1, 16) << 4)).astype(np.int16) - 32
+    # code = two bits - 4 unless the mask bit is set: u = two bits + 4 * mask, bias 4.
+    u = _crumbs(qs) | (_bit_planes(hmask, 8) << 2)
+    return KParts(u, 3, 4, _f16(blocks, 108), sc)
 
 
-def _q2_k(blocks: np.ndarray) -> Parts:
-    packed, qs = blocks[:, 0:16], blocks[:, 16:80]
-    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
-    scales, mins = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
-    return _crumbs(qs).astype(np.int8), d * scales, -(dmin * mins)
+def _q2_k(blocks: np.ndarray) -> KParts:
+    packed = blocks[:, 0:16]
+    sc, m = (packed & 15).astype(np.int16), (packed >> 4).astype(np.int16)
+    return KParts(_crumbs(blocks[:, 16:80]), 2, 0, _f16(blocks, 80), sc, _f16(blocks, 82), m)
 
 
 def _q5_small(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -207,16 +230,17 @@ def _q5_small(blocks: np.ndarray, at: int) -> np.ndarray:
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     qs = blocks[:, at + 4 : at + 20]
     low = np.concatenate([qs & 15, qs >> 4], axis=1)
-    return low | (high << 4)
+    return np.asarray(low | (high << 4), dtype=np.uint8)
 
 
-def _q5_0(blocks: np.ndarray) -> Parts:
-    codes = _q5_small(blocks, 2).astype(np.int16) - 16
-    return codes.astype(np.int8), _f16(blocks, 0), None
+def _q5_0(blocks: np.ndarray) -> KParts:
+    one = np.ones((blocks.shape[0], 1), dtype=np.int16)
+    return KParts(_q5_small(blocks, 2), 5, 16, _f16(blocks, 0), one)
 
 
-def _q5_1(blocks: np.ndarray) -> Parts:
-    return _q5_small(blocks, 4).astype(np.int8), _f16(blocks, 0), _f16(blocks, 2)
+def _q5_1(blocks: np.ndarray) -> KParts:
+    one = np.ones((blocks.shape[0], 1), dtype=np.int16)
+    return KParts(_q5_small(blocks, 4), 5, 0, _f16(blocks, 0), one, _f16(blocks, 2), one, 1.0)
 
 
 _READERS = {
