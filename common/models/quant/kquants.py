@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.cpu.kquant import KQx16
+
 QK_K = 256
 # type name -> (weights per block, bytes per block, group size)
 KQUANT_TYPES: dict[str, tuple[int, int, int]] = {
@@ -252,3 +254,22 @@ _READERS = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
 }
+
+
+def read_kq_x16(type_name: str, data: np.ndarray, rows: int, k: int) -> KQx16:
+    """The tensor whose raw GGUF bytes are ``data`` in the KQx16 layout (rows a multiple of
+    16): its codes at their own widths, its float and integer scales as stored."""
+    parts = block_parts(type_name, data, rows, k)
+    per_block, _, group = KQUANT_TYPES[type_name]
+
+    def per_row(a: np.ndarray | None, width: int) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, width)
+
+    u = per_row(parts.u, k)
+    d = per_row(parts.d, k // per_block)
+    sc = per_row(parts.sc, k // group)
+    assert u is not None and d is not None and sc is not None
+    return KQx16.pack(
+        type_name, u, d, sc, per_row(parts.dmin, k // per_block), per_row(parts.m, k // group),
+        parts.bias, parts.sign,
+    )  # fmt: skip
