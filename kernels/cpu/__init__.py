@@ -32,7 +32,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = (
-    "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "ops.cpp",
+    "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "kquant_x16.cpp", "ops.cpp",
     "decode_attention_x16.cpp", "decode_model.cpp", "kernels.h",
 )
 _NAME = "pdserve_cpu_kernels"

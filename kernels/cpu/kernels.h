@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 
 #include <functional>
+#include <optional>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -44,6 +46,24 @@ torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
 torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
                            const torch::Tensor& scales, int64_t group_size, int64_t n);
 bool has_x16();
+
+// x [M, K] as int16 codes with one step per row, as the x16 kernels quantize it
+// (quant_x16.cpp): codes [M, K], dx [M], and with ``with_sums`` the float32 sum of x over
+// each group of ``group_size`` divided by dx, [M, K / group_size]. AVX-512 builds only.
+struct RowCodes16 {
+  std::vector<int16_t> codes;
+  std::vector<float> dx;
+  std::vector<float> xsum;
+};
+RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,
+                             bool with_sums);
+// kquant_x16.cpp: x [M, K] float32 @ a KQx16 weight [N, K]^T (kernels/cpu/kquant.py).
+torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plane,
+                            const std::optional<torch::Tensor>& hi_plane, int64_t lo_width,
+                            int64_t hi_width, int64_t bias, int64_t group_size,
+                            int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
+                            const std::optional<torch::Tensor>& dmin,
+                            const std::optional<torch::Tensor>& m, double sign, int64_t n);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,

@@ -153,3 +153,16 @@ class KQx16:
             mins = rows(self.dmin).repeat_interleave(per, dim=1) * rows(self.m).float()
             values = values + (mins if self.sign > 0 else -mins)[..., None]
         return values.view(n, k)
+
+
+def kq_x16_matmul(x: torch.Tensor, w: KQx16) -> torch.Tensor:
+    """x [M, K] float32 @ w [N, K]^T -> [M, N] float32 (kquant_x16.cpp)."""
+    from kernels.cpu import load
+
+    _, widths, group, block = KQ_LAYOUTS[w.type_name]
+    hi = w.planes[1] if len(w.planes) > 1 else None
+    out: torch.Tensor = load().kq_x16_matmul(
+        x, w.planes[0], hi, widths[0], widths[1] if hi is not None else 0, w.bias, group,
+        block, w.d, w.sc, w.dmin, w.m, w.sign, w.shape[0],
+    )  # fmt: skip
+    return out

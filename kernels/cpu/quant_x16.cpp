@@ -344,6 +344,22 @@ torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   return x16_matmul<false>(x, qweight.view(torch::kUInt8), scales, nullptr, d);
 }
 
+RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,
+                             bool with_sums) {
+#ifdef PDSERVE_X16
+  const Dims16 d{m, k, kLanes, group_size};
+  CodesX q = quantize_rows(x, d, with_sums);
+  return RowCodes16{std::move(q.codes), std::move(q.dx), std::move(q.xsum)};
+#else
+  (void)x;
+  (void)m;
+  (void)k;
+  (void)group_size;
+  (void)with_sums;
+  TORCH_CHECK(false, "the x16 kernels need AVX-512 F/BW/VL and VNNI (this build has none)");
+#endif
+}
+
 bool has_x16() {
 #ifdef PDSERVE_X16
   return true;

@@ -1,0 +1,107 @@
+"""The KQx16 kernel (kernels/cpu/kquant_x16.cpp) against the float64 reference of the same
+weights dequantized, for every K-quant type and Q5_0 / Q5_1.
+
+# M = activation rows, K = input features, N = output features
+
+The kernel takes int16 codes of x with one step per row (dx = max |x| / 32767) and sums each
+group's code products exactly in int32, so its error is the activation rounding's, at most
+dx / 2 times the sum of |code * scale| over the row, plus float32 slack for the order of
+the per-group terms and the min term (computed from the float sum of x)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.models.quant.kquants import KQUANT_TYPES, read_kq_x16
+from kernels.cpu import available
+from kernels.cpu import quant as cpu_quant
+from kernels.cpu.kquant import KQ_LAYOUTS, KQx16, kq_x16_matmul, rows
+from tests.unit.test_kquants import random_blocks
+
+pytestmark = pytest.mark.skipif(
+    not available() or not cpu_quant.has_x16(),
+    reason="no x16 kernels here (the CPU lacks AVX-512 BW / VL or VNNI)",
+)
+
+TYPES = sorted(KQUANT_TYPES)
+M_VALUES = [1, 2, 3, 4, 5, 9]
+
+
+def random_weight(type_name: str, n: int, k: int, seed: int) -> KQx16:
+    raw = random_blocks(type_name, n, k, seed)
+    # Random float16 fields span 1e-6..1e2; keep the products' range moderate for float32.
+    return read_kq_x16(type_name, raw, n, k)
+
+
+def error_bound(x: torch.Tensor, w: KQx16) -> torch.Tensor:
+    n, k = w.shape
+    g = w.group_size
+    dx = x.double().abs().amax(dim=-1, keepdim=True) / 32767  # [M, 1]
+    codes = (w.codes().double() - w.bias).view(n, k // g, g)
+    per_block = KQ_LAYOUTS[w.type_name][3] // g
+    scales = rows(w.d).double().repeat_interleave(per_block, dim=1) * rows(w.sc).double()
+    terms = (codes * scales[..., None]).abs().sum(dim=(1, 2))  # [N]: sum |code * scale|
+    magnitude = x.double().abs() @ w.dequantize().double().abs().t()
+    return 0.5 * dx * terms[None, :] + 1e-6 * magnitude
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_matches_float64_reference(type_name: str) -> None:
+    per_block = KQUANT_TYPES[type_name][0]
+    k = 2 * max(per_block, 256)
+    gen = torch.Generator().manual_seed(len(type_name))
+    for n in (16, 48):
+        w = random_weight(type_name, n, k, seed=n)
+        dense = w.dequantize().double()
+        for m in M_VALUES:
+            x = torch.randn(m, k, generator=gen)
+            out = kq_x16_matmul(x, w)
+            assert out.dtype == torch.float32 and out.shape == (m, n)
+            ref = x.double() @ dense.t()
+            err = (out.double() - ref).abs()
+            bound = error_bound(x, w)
+            assert bool((err <= bound).all()), (
+                f"{type_name} M={m} N={n}: {(err - bound).max().item():.3e} over the bound"
+            )
+            assert (err.max() / ref.abs().max()).item() < 2e-4, type_name
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q3_K", "Q5_1"])
+def test_each_row_is_computed_alone(type_name: str) -> None:
+    w = random_weight(type_name, 48, 512, seed=3)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    whole = kq_x16_matmul(x, w)
+    for lo, hi in [(0, 1), (2, 5), (4, 9), (8, 9)]:
+        assert torch.equal(kq_x16_matmul(x[lo:hi].contiguous(), w), whole[lo:hi]), (lo, hi)
+
+
+def test_a_file_tensor_multiplies_as_its_dequantized_weights() -> None:
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    path = Path(__file__).resolve().parents[1] / "data" / "kquants" / "tiny-llama-Q4_K_M.gguf"
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for name in ("blk.0.ffn_down.weight", "output.weight", "blk.1.attn_q.weight"):
+        t = tensors[name]
+        rows, k = int(t.shape[1]), int(t.shape[0])
+        w = read_kq_x16(t.tensor_type.name, np.asarray(t.data), rows, k)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+        ref = x.double() @ w.dequantize().double().t()
+        out = kq_x16_matmul(x, w).double()
+        assert bool(((out - ref).abs() <= error_bound(x, w)).all()), name
+
+
+def test_bad_arguments_are_refused() -> None:
+    w = random_weight("Q4_K", 16, 256, seed=0)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="multiple of the float block"):
+        kq_x16_matmul(torch.randn(2, 288), w)
+    broken = KQx16(w.type_name, w.planes, w.d.half(), w.sc, w.dmin, w.m, w.bias, w.sign)
+    with pytest.raises(RuntimeError, match="d must be contiguous"):
+        kq_x16_matmul(x, broken)
+    no_min = KQx16(w.type_name, w.planes, w.d, w.sc, w.dmin, None, w.bias, w.sign)
+    with pytest.raises(RuntimeError, match="come together"):
+        kq_x16_matmul(x, no_min)
