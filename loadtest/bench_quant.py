@@ -61,7 +61,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def packed_kernel(weight: QuantWeight, act_bits: int) -> Matmul:
+def packed_kernel(weight: Q4Weight | Q8Weight, act_bits: int) -> Matmul:
     """The C++ kernel at every M (no switch to the dense path)."""
     if isinstance(weight, Q4Weight):
         return lambda x: cpu_quant.q4_matmul(
@@ -71,7 +71,7 @@ def packed_kernel(weight: QuantWeight, act_bits: int) -> Matmul:
                                          act_bits)  # fmt: skip
 
 
-def x16_kernel(weight: QuantWeight) -> Matmul:
+def x16_kernel(weight: Q4Weight | Q8Weight) -> Matmul:
     """The x16 kernel (the weight repacked once)."""
     packed, n = weight.to_x16(), weight.shape[0]
     if isinstance(packed, Q4Weight):
@@ -117,7 +117,7 @@ def build_paths() -> dict[str, Path]:
     dense = [*floats, head]
     paths = {"fp32": Path([functools.partial(_float_matmul, w) for w in dense],
                           sum(w.numel() * 4 for w in dense))}  # fmt: skip
-    cpp_q4: list[QuantWeight] = [*q4, head_q8_0]
+    cpp_q4: list[Q4Weight | Q8Weight] = [*q4, head_q8_0]
     for bits in (16, 8):
         paths[f"q4 cpp a{bits}"] = Path(
             [packed_kernel(w, bits) for w in cpp_q4], weight_bytes(q4, head_q8_0)

@@ -91,6 +91,62 @@ class KQx16:
     bias: int
     sign: float  # of the min term: -1 (K-quants), +1 (Q5_1)
 
+    layout = "x16"  # as the Q4 / Q8 weights' x16 layout: it serves matmuls and lookups
+
+    @property
+    def kind(self) -> str:
+        return self.type_name.lower()
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The tensor that identifies the weight's storage (its low code plane)."""
+        return self.planes[0]
+
+    def to_x16(self) -> KQx16:
+        return self
+
+    def blocks(self, index: torch.Tensor | slice) -> KQx16:
+        """n-blocks ``index`` (16 rows each) as a weight of their own."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index].contiguous()
+
+        planes = [p[index].contiguous() for p in self.planes]
+        d, sc = pick(self.d), pick(self.sc)
+        assert d is not None and sc is not None
+        return KQx16(self.type_name, planes, d, sc, pick(self.dmin), pick(self.m), self.bias, self.sign)
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> KQx16:
+        """Experts of a 3-D weight: K-quant experts are not served yet."""
+        raise TypeError(
+            f"{self.type_name} weights are 2-D here; mixture-of-experts K-quant tensors are "
+            "not served yet"
+        )
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup): only
+        the n-blocks holding them are dequantized."""
+        blocks, where = torch.unique(ids // X16, return_inverse=True)
+        values = self.blocks(blocks).dequantize()
+        return values[where * X16 + ids % X16]
+
+    @staticmethod
+    def cat(parts: list[KQx16]) -> KQx16:
+        """Rows of several weights of one type stacked (fused projections)."""
+        assert len({p.type_name for p in parts}) == 1, "fused KQx16 parts differ in type"
+
+        def joined(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts, dim=0)  # type: ignore[arg-type]
+
+        first = parts[0]
+        planes = [torch.cat([p.planes[i] for p in parts]) for i in range(len(first.planes))]
+        d, sc = joined([p.d for p in parts]), joined([p.sc for p in parts])
+        assert d is not None and sc is not None
+        return KQx16(
+            first.type_name, planes, d, sc, joined([p.dmin for p in parts]),
+            joined([p.m for p in parts]), first.bias, first.sign,
+        )  # fmt: skip
+
     @property
     def shape(self) -> tuple[int, int]:
         blocks, num_sub = self.planes[0].shape[:2]

@@ -297,21 +297,34 @@ def test_q4_0_nibbles_are_in_our_code_order(tmp_path: Path) -> None:
     assert torch.equal(tensor.value.dequantize(), torch.from_numpy(row))
 
 
-def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
-    """A K-quant (Q4_K: 144-byte blocks of 256) is refused when read, with its name."""
-    path = tmp_path / "q4k.gguf"
+def _one_tensor_file(path: Path, qtype: GGMLQuantizationType, blocks: np.ndarray) -> GgufCheckpoint:
     writer = GGUFWriter(str(path), "llama")
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    blocks = np.random.default_rng(0).integers(0, 255, (8, 144), dtype=np.uint8)
-    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    checkpoint = GgufCheckpoint(path)
-    assert checkpoint.type_names == ["Q4_K"]
-    with pytest.raises(GgufError, match=r"'blk\.0\.attn_q\.weight' is Q4_K.*Q4_0, Q4_1, Q8_0"):
+    return GgufCheckpoint(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
+    """An i-quant (IQ4_NL: 18-byte blocks of 32) is refused when read, with its name and
+    the types that are served."""
+    blocks = np.random.default_rng(0).integers(0, 255, (16, 18 * 8), dtype=np.uint8)
+    checkpoint = _one_tensor_file(tmp_path / "iq4.gguf", GGMLQuantizationType.IQ4_NL, blocks)
+    assert checkpoint.type_names == ["IQ4_NL"]
+    with pytest.raises(GgufError, match=r"'blk\.0\.attn_q\.weight' is IQ4_NL.*Q4_0, Q4_1, Q8_0.*Q4_K"):
+        list(checkpoint.tensors())
+
+
+def test_a_k_quant_the_kernel_cannot_take_is_named(tmp_path: Path) -> None:
+    """A K-quant tensor of 8 rows (the KQx16 kernel takes rows in sixteens) is refused with
+    its name and why."""
+    blocks = np.random.default_rng(0).integers(0, 255, (8, 144), dtype=np.uint8)
+    checkpoint = _one_tensor_file(tmp_path / "q4k.gguf", GGMLQuantizationType.Q4_K, blocks)
+    with pytest.raises(GgufError, match=r"'blk\.0\.attn_q\.weight' is Q4_K.*rows in sixteens \(8"):
         list(checkpoint.tensors())
 
 

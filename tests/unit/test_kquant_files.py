@@ -58,10 +58,20 @@ def test_every_tensor_reads_bit_for_bit(preset: str) -> None:
     assert seen > 0
 
 
-def test_until_their_kernels_land_the_engine_refuses_them_naming_the_tensor() -> None:
-    """Never served through a float copy: a type without its packed kernel is refused at
-    load, with the tensor's name and type."""
-    from common.models.quant.gguf import GgufCheckpoint, GgufError
+def test_the_engine_reads_every_quantized_tensor_packed() -> None:
+    """Never through a float copy: each K-quant tensor becomes a KQx16 weight of its type
+    (where the kernel runs: AVX-512 VNNI)."""
+    from common.models.quant.gguf import GgufCheckpoint
+    from common.models.quant.linear import x16_available
+    from kernels.cpu.kquant import KQx16
 
-    with pytest.raises(GgufError, match=r"tensor '[\w.]+' is Q\d_K"):
-        list(GgufCheckpoint(FILES / "tiny-llama-Q4_K_S.gguf").tensors())
+    if not x16_available():
+        pytest.skip("the KQx16 kernel needs AVX-512 VNNI")
+    for preset in PRESETS:
+        path = FILES / f"tiny-llama-{preset}.gguf"
+        for tensor in GgufCheckpoint(path).tensors():
+            if tensor.type_name in KQUANT_TYPES:
+                assert isinstance(tensor.value, KQx16), (preset, tensor.name)
+                assert tensor.value.type_name == tensor.type_name
+            else:
+                assert isinstance(tensor.value, torch.Tensor), (preset, tensor.name)

@@ -27,6 +27,7 @@ from common.engine.attention.base import LayerKV
 from common.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from common.models.quant.linear import PackedMatmul, QuantLinear
 from common.models.quant.weights import Q4Weight
+from kernels.cpu.kquant import KQx16
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ def _projection(ops: Any, layer: object, act_bits: list[int]) -> Any | None:
         return None
     part: PackedMatmul = layer.parts[0]
     weight = part.weight
-    if part.kernel != "cpp" or weight is None:
-        return None
+    if part.kernel != "cpp" or weight is None or isinstance(weight, KQx16):
+        return None  # K-quants: the Python path (their fused projection is not written yet)
     act_bits.append(part.act_bits)
     q4 = isinstance(weight, Q4Weight)
     return ops.projection(

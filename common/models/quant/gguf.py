@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.models.quant.kquants import KQUANT_TYPES, read_kq_x16
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
+from kernels.cpu.kquant import KQx16
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +158,38 @@ class GgufCheckpoint:
             if name is None:
                 continue
             type_name = t.tensor_type.name
+            if type_name in KQUANT_TYPES:
+                yield GgufTensor(name, type_name, self._read_kquant(t, name, type_name))
+                continue
             value = self._read(t, type_name)
             order = self._row_order(name, value.shape[0])
             if order is not None:
                 value = value[order]
             yield GgufTensor(name, type_name, value)
+
+    def _read_kquant(self, tensor: object, name: str, type_name: str) -> KQx16:
+        """A K-quant (or Q5_0 / Q5_1) tensor packed for the KQx16 kernel, rows permuted
+        back first (packing interleaves rows in sixteens)."""
+        from common.models.quant.linear import x16_available
+
+        shape = [int(n) for n in reversed(tensor.shape.tolist())]  # type: ignore[attr-defined]
+        where = f"{self.path.name}: tensor {tensor.name!r} is {type_name}"  # type: ignore[attr-defined]
+        if len(shape) != 2:
+            raise GgufError(f"{where} of {len(shape)} dimensions; only 2-D ones are served")
+        rows, k = shape
+        if rows % 16 or not x16_available():
+            raise GgufError(
+                f"{where}; its kernel needs AVX-512 VNNI and rows in sixteens ({rows} rows); "
+                "the AVX2 path is not written yet (--quantization none reads it as float)"
+            )
+        raw = np.asarray(tensor.data).reshape(rows, -1)  # type: ignore[attr-defined]
+        order = self._row_order(name, rows)
+        if order is not None:
+            raw = raw[order.numpy()]
+        try:
+            return read_kq_x16(type_name, raw, rows, k)
+        except ValueError as exc:
+            raise GgufError(f"{where}: {exc}") from exc
 
     def _row_order(self, name: str, num_rows: int) -> torch.Tensor | None:
         if self.architecture != "llama":
@@ -182,7 +211,7 @@ class GgufCheckpoint:
         if type_name not in QUANTIZED_TYPES:
             raise GgufError(
                 f"{self.path.name}: tensor {tensor.name!r} is {type_name}; tensors are "  # type: ignore[attr-defined]
-                f"served as stored in {', '.join(QUANTIZED_TYPES + FLOAT_TYPES)} only "
+                f"served as stored in {', '.join(QUANTIZED_TYPES + tuple(KQUANT_TYPES) + FLOAT_TYPES)} only "
                 "(convert the file with llama-quantize, or pass --quantization none)"
             )
         rows, k = shape[0], shape[-1]

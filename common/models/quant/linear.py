@@ -38,6 +38,7 @@ from torch import nn
 
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.kquant import KQx16, kq_x16_matmul
 
 KERNELS = ("cpp", "torch")
 
@@ -150,6 +151,8 @@ def _dense_in_chunks(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
 
 def _dequantize_rows(weight: QuantWeight, start: int, end: int) -> torch.Tensor:
+    if isinstance(weight, KQx16):  # x16 weights take the packed kernel: not reached in a step
+        return weight.dequantize()[start:end]
     if isinstance(weight, Q4Weight) and cpu_quant_available():
         return cpu_quant.q4_dequantize(
             weight.qweight, weight.scales, weight.mins, weight.group_size, start, end
@@ -202,6 +205,10 @@ class PackedMatmul:
         self.act_bits = compute.act_bits
         self.shape = weight.shape
         self.description = _describe(weight)
+        if isinstance(weight, KQx16) and self.kernel != "cpp":
+            raise ValueError(
+                f"{weight.type_name} weights run on the C++ kernels only (--quant-kernel cpp)"
+            )
         if self.kernel == "cpp" and weight.shape[1] % 32:
             raise ValueError(
                 f"the C++ kernels need input features in multiples of 32; this layer has "
@@ -250,6 +257,8 @@ class PackedMatmul:
         return out
 
     def _packed(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        if isinstance(w, KQx16):
+            return kq_x16_matmul(x, w)
         if w.layout == "x16":
             n = w.shape[0]
             if isinstance(w, Q4Weight):

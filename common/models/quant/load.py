@@ -20,6 +20,7 @@ from common.models.quant.formats import WeightFormat
 from common.models.quant.gguf import GgufCheckpoint
 from common.models.quant.linear import QuantCompute, QuantEmbedding, QuantExperts, QuantLinear
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
+from kernels.cpu.kquant import KQx16
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ def _fuse(parts: list[QuantWeight]) -> list[QuantWeight]:
     kinds = {(type(p), p.group_size) for p in parts}
     if len(parts) == 1 or len(kinds) > 1:
         return parts
+    if isinstance(parts[0], KQx16):
+        same = [p for p in parts if isinstance(p, KQx16) and p.type_name == parts[0].type_name]
+        return [KQx16.cat(same)] if len(same) == len(parts) else parts
     if isinstance(parts[0], Q4Weight):
         return [Q4Weight.cat([p for p in parts if isinstance(p, Q4Weight)])]
     return [Q8Weight.cat([p for p in parts if isinstance(p, Q8Weight)])]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu.kquant import KQx16
 from kernels.cpu.quant import (
     SUB_BLOCK,
     X16,
@@ -217,4 +218,4 @@ class Q8Weight:
         return Q8Weight(codes.contiguous(), scales.contiguous(), k)
 
 
-QuantWeight = Q4Weight | Q8Weight
+QuantWeight = Q4Weight | Q8Weight | KQx16  # KQx16: GGUF's K-quants (kernels/cpu/kquant.py)
