@@ -97,11 +97,13 @@ class GatewayClient:
     ) -> admin_pb2.SetWorkerRoleResponse:
         """Changes an engine worker's role in place (``role``: prefill, decode, both). Any
         other name goes as WORKER_ROLE_UNSPECIFIED, which the gateway refuses with
-        INVALID_ARGUMENT naming the roles."""
+        INVALID_ARGUMENT naming the roles. A gateway that cannot be reached yet (starting,
+        or too busy to finish a connection's handshake) is tried again within ``timeout_s``:
+        nothing was sent, so nothing changes twice."""
         value = ROLE_PB.get(role, common_pb2.WORKER_ROLE_UNSPECIFIED)
         request = admin_pb2.SetWorkerRoleRequest(worker_id=worker_id, role=value)
         response: admin_pb2.SetWorkerRoleResponse = await self.admin.SetWorkerRole(
-            request, timeout=timeout_s, metadata=self.metadata
+            request, timeout=timeout_s, metadata=self.metadata, wait_for_ready=True
         )
         return response
 
