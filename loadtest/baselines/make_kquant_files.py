@@ -122,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = write_float_model(out / "tiny-llama-F32.gguf.tmp")
-    version = subprocess.run([args.quantize, "--help"], capture_output=True, text=True, check=False)
     for preset in args.presets.split(","):
         target = out / f"tiny-llama-{preset}.gguf"
         done = subprocess.run(
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         (build.read_text() if build.exists() else "llama.cpp (unknown build)\n")
         + "remake: python -m loadtest.baselines.make_kquant_files\n"
     )
-    del version
     return 0
 
 
