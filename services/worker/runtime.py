@@ -110,6 +110,9 @@ class WorkerRuntime:
         self.draining = False
         self.num_active_calls = 0  # Prefill / Decode calls admitted and not yet ended
         self.decode_calls: set[str] = set()  # request ids of the Decode calls admitted
+        # Decode calls that ended with RoleChangedError (each moves on to another decode
+        # worker): what set_role counts as moved, and clears.
+        self.moved_by_role: set[str] = set()
         self.held_profile: WorkerProfile | None = None  # measured, or read from Redis
         self.metrics.watch_role(self.roles)
 
@@ -166,6 +169,10 @@ class WorkerRuntime:
             self.decode_calls.add(request_id)
         try:
             yield
+        except RoleChangedError:
+            if decoding:
+                self.moved_by_role.add(request_id)
+            raise
         finally:
             self.num_active_calls -= 1
             if decoding:
@@ -183,8 +190,11 @@ class WorkerRuntime:
             )
         with tracer().start_as_current_span("role_change") as span:
             previous = self.roles.begin(role, self.worker_id)
-            # Taken now: from here on each of these streams ends at its next output.
+            # Taken now: from here on each of these streams ends at its next output. (One whose
+            # last message went out just before is in this list but ends without moving: the
+            # count below is of the calls that ended with RoleChangedError.)
             moved = sorted(self.decode_calls) if not self.roles.serves(DECODE) else []
+            self.moved_by_role.clear()
             try:
                 if previous != role:
                     self.metrics.role_changed(previous, role)
@@ -202,7 +212,9 @@ class WorkerRuntime:
                     await self._wait_calls_ended(moved, STREAMS_MOVED_WAIT_S)
             finally:
                 self.roles.end()
-            change = RoleChange(previous, role, len(moved), (time.monotonic() - started) * 1000)
+            num_moved = sum(1 for r in moved if r in self.moved_by_role)
+            self.moved_by_role.clear()
+            change = RoleChange(previous, role, num_moved, (time.monotonic() - started) * 1000)
             span.set_attributes(
                 {
                     "pdserve.worker_id": self.worker_id,
