@@ -754,6 +754,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "the usable CPUs)")  # fmt: skip
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help="pdserve weight formats for the single-stream figures")  # fmt: skip
+    parser.add_argument("--gguf", default=None,
+                        help="this GGUF file for both engines (default: the shipped Q4_1 "
+                        "file; e.g. a llama-quantize Q4_K_M of it, with --formats gguf)")  # fmt: skip
     parser.add_argument("--input-len", type=int, default=104, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     parser.add_argument("--prefill-len", type=int, default=512, help="the prefill figure's prompt")
@@ -798,6 +801,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.result_dir or REPO / "loadtest" / "results" / "llamacpp" / stamp)
     out.mkdir(parents=True, exist_ok=True)
     model_dir, gguf = resolve_model(None), str(gguf_path())
+    if args.gguf:  # another file of the same model (a K-quant preset): both engines read it
+        gguf = str(Path(args.gguf).resolve())
+        model_dir = resolve_model(gguf)
+        args.up_args = f"{args.up_args} --model {shlex.quote(gguf)}".strip()
     work = Workload(args, model_dir)
     result: dict[str, Any] = {
         "machine": machine_info(args.threads), "gguf": gguf, "model_dir": model_dir,

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system
+bash scripts/quant_tools.sh  # llm-compressor's venv: the tests quantize with the tool itself
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/lint-imports  # the layer rules in pyproject.toml ([tool.importlinter])

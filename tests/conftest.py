@@ -30,6 +30,42 @@ def smollm_dir() -> Path:
     return convert_default_model()
 
 
+def _run_tool(tool: str, script: str, *args: str) -> None:
+    """Runs a quantization tool's script with the tool's own venv (scripts/quant_tools.sh)."""
+    import os
+    import subprocess
+    import sys
+
+    cache = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+    python = cache / "venvs" / tool / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{python} is missing: run bash scripts/quant_tools.sh (scripts/test.sh does)")
+    path = Path(__file__).resolve().parents[1] / "loadtest" / "baselines" / script
+    done = subprocess.run([str(python), str(path), *args], capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        pytest.fail(f"{tool} failed ({done.returncode}); its output is above")
+
+
+@pytest.fixture(scope="session")
+def ct_checkpoints(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """Tiny compressed-tensors checkpoints made by llm-compressor itself, run from its own
+    venv (scripts/quant_tools.sh): ``<dir>/<arch>-<scheme>/`` and ``<arch>-float/``
+    (loadtest/baselines/make_ct_checkpoints.py; about 30 s for all of them)."""
+    out = tmp_path_factory.mktemp("ct")
+    _run_tool("llmcompressor", "make_ct_checkpoints.py", "--out", str(out), "--tokenizer", str(smollm_dir))
+    return out
+
+
+@pytest.fixture(scope="session")
+def awq_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny AWQ checkpoints made by AutoAWQ itself on the CPU, each with the tool's own
+    dequantization's digests (loadtest/baselines/make_gptq_awq_files.py; about 25 s)."""
+    out = tmp_path_factory.mktemp("awq")
+    _run_tool("autoawq", "make_gptq_awq_files.py", "--tool", "autoawq", "--out", str(out))
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models: one torch thread for a module (``pytest.mark.usefixtures("one_thread")``).

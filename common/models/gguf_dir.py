@@ -17,9 +17,14 @@ log = logging.getLogger(__name__)
 _PREPARED_MARKER = ".pdserve-gguf"
 
 
+# Bumped when what is written changes (2: the MoE and head_dim fields of _llama_cpp_fields),
+# so that a directory prepared by an older version is prepared again.
+_PREPARE_VERSION = 2
+
+
 def _file_key(path: Path) -> str:
     stat = path.stat()
-    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_PREPARE_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -54,6 +59,34 @@ def staged_directory(target: Path) -> Iterator[Path]:
         raise
 
 
+def _llama_cpp_fields(path: Path, model_type: str) -> dict[str, object]:
+    """Config fields transformers' GGUF reader (5.24) leaves at its defaults though the file
+    says otherwise, set as llama.cpp runs the file: Qwen3's head_dim (``key_length``; the
+    default 128 happens to be every released Qwen3's), the MoE models' expert sizes
+    (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``) and Qwen3-MoE's
+    normalized top-k weights (llama.cpp's qwen3moe graph always normalizes them, as the
+    released models' ``norm_topk_prob: true`` asks; transformers' default is false)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def number(key: str) -> int | None:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else int(field.contents())
+
+    fields: dict[str, object] = {}
+    if model_type in ("qwen3", "qwen3_moe") and number("attention.key_length"):
+        fields["head_dim"] = number("attention.key_length")
+    if model_type in ("qwen2_moe", "qwen3_moe") and number("expert_feed_forward_length"):
+        fields["moe_intermediate_size"] = number("expert_feed_forward_length")
+    if model_type == "qwen2_moe" and number("expert_shared_feed_forward_length"):
+        fields["shared_expert_intermediate_size"] = number("expert_shared_feed_forward_length")
+    if model_type == "qwen3_moe":
+        fields["norm_topk_prob"] = True
+    return fields
+
+
 def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
     """A checkpoint directory for a GGUF file: config.json, generation config and tokenizer
     written from the file's metadata once, and a link to the file."""
@@ -67,6 +100,8 @@ def prepare_checkpoint_dir(path: Path, cache: Path) -> Path:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        for key, value in _llama_cpp_fields(path, config.model_type).items():
+            setattr(config, key, value)
         config.save_pretrained(staging)
         GenerationConfig.from_model_config(config).save_pretrained(staging)
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)

@@ -53,11 +53,13 @@ def build_model(
 ) -> CausalLM:
     """The model with its weights loaded in ``weights``' format (default: float).
 
-    Float weights come from the directory's safetensors, else from its GGUF file,
-    dequantized; int8 / int4 quantize them layer by layer after loading; gguf reads the
-    file's packed tensors into quantized layers while the model is still on the meta
-    device, so no float copy of them is ever made."""
+    Float weights come from the directory's safetensors (a compressed-tensors, GPTQ or AWQ
+    checkpoint's dequantized), else from its GGUF file, dequantized; int8 / int4 quantize them layer by layer after loading; gguf reads the
+    file's packed tensors (compressed-tensors: the checkpoint's) into quantized layers while
+    the model is still on the meta device, so no float copy of them is ever made."""
+    from common.models.quant.compressed import CtCheckpoint, is_compressed_tensors
     from common.models.quant.gguf import find_gguf, open_checkpoint, release_checkpoints
+    from common.models.quant.gptq import GptqAwqCheckpoint, gptq_awq_method
     from common.models.quant.load import (
         dequantized_tensors,
         load_gguf_layers,
@@ -78,6 +80,14 @@ def build_model(
     if weights.name == "gguf":
         assert gguf_file is not None, f"{model_dir}: the gguf format needs a .gguf file"
         floats = load_gguf_layers(model, open_checkpoint(gguf_file), weights.compute)
+    elif weights.name == "compressed-tensors":
+        floats = load_gguf_layers(model, CtCheckpoint(model_dir), weights.compute)
+    elif weights.name in ("gptq", "awq"):
+        floats = load_gguf_layers(model, GptqAwqCheckpoint(model_dir), weights.compute)
+    elif is_compressed_tensors(model_dir):
+        floats = dequantized_tensors(CtCheckpoint(model_dir))
+    elif gptq_awq_method(model_dir) is not None:
+        floats = dequantized_tensors(GptqAwqCheckpoint(model_dir))
     elif gguf_file is not None and not any(Path(model_dir).glob("*.safetensors")):
         floats = dequantized_tensors(open_checkpoint(gguf_file))
     else:

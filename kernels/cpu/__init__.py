@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = (
     "module.cpp", "pool.cpp", "quant_matmul.cpp", "quant_x16.cpp", "kquant_x16.cpp", "ops.cpp",
-    "decode_attention_x16.cpp", "decode_model.cpp", "kernels.h",
+    "decode_attention_x16.cpp", "decode_model.cpp", "fp8_matmul.cpp", "kernels.h",
 )
 _NAME = "pdserve_cpu_kernels"
 _lock = threading.Lock()
@@ -55,10 +55,20 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# PDSERVE_CPU_TARGET=avx2 builds for x86-64-v3 even on an AVX-512 CPU (a build of its own:
+# the directory is keyed on the target), so that the AVX2 paths run and are tested there.
+TARGETS = ("native", "avx2")
+
+
 def target_flags() -> list[str]:
-    """The compiler's target for this CPU (module docstring)."""
+    """The compiler's target for this CPU (module docstring), or PDSERVE_CPU_TARGET's."""
+    target = os.environ.get("PDSERVE_CPU_TARGET", "native")
+    if target not in TARGETS:
+        raise ValueError(f"PDSERVE_CPU_TARGET must be one of {TARGETS}, got {target!r}")
     if platform.machine() in ("x86_64", "AMD64"):
         flags = _cpu_flags()
+        if target == "avx2" and {"avx2", "fma", "f16c"} <= flags:
+            return ["-march=x86-64-v3"]
         if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
             return ["-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
         if {"avx2", "fma", "f16c", "avx512vl", "avx512_vnni"} <= flags:

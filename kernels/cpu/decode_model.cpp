@@ -5,12 +5,18 @@
 // (common/models/llama.py with common/engine/attention/cpp_backend.py), so its results are
 // bit for bit that path's; common/models/quant/fused_decode.py builds it and says when it
 // applies (decode-only steps, float32 KV, single-part C++-kernel projections).
+// FP8 projections quantize their input as common/models/quant/fp8.py does, with the same
+// float32 arithmetic as its ATen operations, so that too is bit for bit the Python path.
 //
 // B = sequences (one new token each), H = hidden size, Hq / Hkv = query / kv heads, D = head
 // dim, N = cache blocks, S = block size, M = blocks per sequence.
 
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -20,15 +26,85 @@ namespace {
 
 // One quantized projection: Q4 (codes, scales, mins) or Q8 (codes, scales), in the rows or
 // the x16 layout (kernels/cpu/quant.py), and a bias.
+// A KQx16 weight (kernels/cpu/kquant.py): GGUF's K-quants and checkpoints' integer codes.
+struct KqParts {
+  torch::Tensor lo;
+  std::optional<torch::Tensor> hi;
+  int64_t lo_width = 4, hi_width = 0, code_bias = 0, group_size = 32, block_size = 256;
+  torch::Tensor d, sc;
+  std::optional<torch::Tensor> dmin, m;
+  double sign = -1.0;
+  bool int8_tokens = false;
+  std::optional<torch::Tensor> perm;  // act order: the kernel reads x[:, perm]
+};
+
+// An FP8 E4M3 weight (common/models/quant/fp8.py) and how its input is quantized:
+// activations 0 none, 1 per token (dynamic), 2 per tensor (the static input_scale).
+struct Fp8Parts {
+  torch::Tensor packed, kernel_scale;  // codes 16 rows interleaved; float32 [N]
+  int64_t activations = 0;
+  std::optional<torch::Tensor> input_scale;
+
+  // fp8.py's fake_quantize_e4m3 with token_scales or the input scale, in one pass over each
+  // row and the same float32 arithmetic as its ATen operations (the step a float32 division
+  // of the row's max |x| by 448, float32's epsilon for a zero row; each x divided by it,
+  // clamped to +-448, rounded to E4M3 by c10's conversion, multiplied back).
+  torch::Tensor quantize_input(const torch::Tensor& x) const {
+    if (activations == 0) return x;
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                "FP8 projections take contiguous float32 [B, K] inputs");
+    const int64_t rows = x.size(0), k = x.size(1);
+    torch::Tensor out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float fixed = activations == 2 ? input_scale->item<float>() : 0.f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = xp + r * k;
+      float scale = fixed;
+      if (activations == 1) {
+        float amax = 0.f;
+        for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(xr[j]));
+        scale = amax / kE4m3Max;
+        if (scale == 0.f) scale = std::numeric_limits<float>::epsilon();
+      }
+      float* orow = op + r * k;
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = std::min(std::max(xr[j] / scale, -kE4m3Max), kE4m3Max);
+        orow[j] = static_cast<float>(c10::Float8_e4m3fn(v)) * scale;
+      }
+    }
+    return out;
+  }
+
+  static constexpr float kE4m3Max = 448.0f;
+};
+
 struct Projection {
   bool q4 = true, x16 = false;
   torch::Tensor qweight, scales, mins;
   int64_t group_size = 32, num_rows = 0;
   std::optional<torch::Tensor> bias;
+  std::optional<KqParts> kq;
+  std::optional<Fp8Parts> fp8;
+  std::vector<Projection> parts;  // a projection of several weights: outputs concatenated
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t act_bits) const {
     torch::Tensor out;
-    if (x16) {
+    if (!parts.empty()) {
+      std::vector<torch::Tensor> outs;
+      outs.reserve(parts.size());
+      for (const Projection& part : parts) outs.push_back(part(x, act_bits));
+      out = torch::cat(outs, 1);
+    } else if (kq.has_value()) {
+      const KqParts& w = *kq;
+      const torch::Tensor xin = w.perm.has_value() ? x.index_select(1, *w.perm).contiguous() : x;
+      out = pdserve_cpu::kq_x16_matmul(xin, w.lo, w.hi, w.lo_width, w.hi_width, w.code_bias,
+                                       w.group_size, w.block_size, w.d, w.sc, w.dmin, w.m,
+                                       w.sign, num_rows, w.int8_tokens);
+    } else if (fp8.has_value()) {
+      out = pdserve_cpu::fp8_x16_matmul(fp8->quantize_input(x), fp8->packed, fp8->kernel_scale,
+                                        num_rows);
+    } else if (x16) {
       out = q4 ? pdserve_cpu::q4x16_matmul(x, qweight, scales, mins, group_size, num_rows)
                : pdserve_cpu::q8x16_matmul(x, qweight, scales, group_size, num_rows);
     } else {
@@ -47,6 +123,44 @@ Projection make_projection(bool q4, bool x16, torch::Tensor qweight, torch::Tens
   return Projection{q4, x16, std::move(qweight), std::move(scales),
                     mins.has_value() ? *mins : torch::Tensor(), group_size, num_rows,
                     std::move(bias)};
+}
+
+Projection make_kq_projection(torch::Tensor lo, std::optional<torch::Tensor> hi,
+                              int64_t lo_width, int64_t hi_width, int64_t code_bias,
+                              int64_t group_size, int64_t block_size, torch::Tensor d,
+                              torch::Tensor sc, std::optional<torch::Tensor> dmin,
+                              std::optional<torch::Tensor> m, double sign, int64_t num_rows,
+                              bool int8_tokens, std::optional<torch::Tensor> perm,
+                              std::optional<torch::Tensor> bias) {
+  Projection p;
+  p.num_rows = num_rows;
+  p.bias = std::move(bias);
+  p.kq = KqParts{std::move(lo), std::move(hi), lo_width, hi_width, code_bias, group_size,
+                 block_size, std::move(d), std::move(sc), std::move(dmin), std::move(m),
+                 sign, int8_tokens, std::move(perm)};
+  return p;
+}
+
+Projection make_fp8_projection(torch::Tensor packed, torch::Tensor kernel_scale,
+                               int64_t activations, std::optional<torch::Tensor> input_scale,
+                               int64_t num_rows, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(activations >= 0 && activations <= 2, "activations must be 0, 1 or 2");
+  TORCH_CHECK(activations != 2 || input_scale.has_value(), "static activations need input_scale");
+  Projection p;
+  p.num_rows = num_rows;
+  p.bias = std::move(bias);
+  p.fp8 = Fp8Parts{std::move(packed), std::move(kernel_scale), activations, std::move(input_scale)};
+  return p;
+}
+
+Projection make_joined_projection(std::vector<Projection> parts,
+                                  std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(!parts.empty(), "a joined projection needs parts");
+  Projection p;
+  for (const Projection& part : parts) p.num_rows += part.num_rows;
+  p.parts = std::move(parts);
+  p.bias = std::move(bias);
+  return p;
 }
 
 struct Layer {
@@ -130,6 +244,17 @@ void register_decode_model(pybind11::module& m) {
         py::arg("bias"),
         "one quantized projection (Q4 when q4, else Q8; the x16 layout when x16) for "
         "DecodeModel");
+  m.def("kq_projection", &make_kq_projection, py::arg("lo"), py::arg("hi"), py::arg("lo_width"),
+        py::arg("hi_width"), py::arg("code_bias"), py::arg("group_size"), py::arg("block_size"),
+        py::arg("d"), py::arg("sc"), py::arg("dmin"), py::arg("m"), py::arg("sign"),
+        py::arg("num_rows"), py::arg("int8_tokens"), py::arg("perm"), py::arg("bias"),
+        "one KQx16 projection (kernels/cpu/kquant.py) for DecodeModel");
+  m.def("fp8_projection", &make_fp8_projection, py::arg("packed"), py::arg("kernel_scale"),
+        py::arg("activations"), py::arg("input_scale"), py::arg("num_rows"), py::arg("bias"),
+        "one FP8 E4M3 projection (common/models/quant/fp8.py; activations 0 none, 1 per "
+        "token, 2 per tensor) for DecodeModel");
+  m.def("joined_projection", &make_joined_projection, py::arg("parts"), py::arg("bias"),
+        "a projection whose weights are several parts (bias-free), outputs concatenated");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, torch::Tensor>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

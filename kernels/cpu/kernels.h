@@ -49,21 +49,29 @@ bool has_x16();
 
 // x [M, K] as int16 codes with one step per row, as the x16 kernels quantize it
 // (quant_x16.cpp): codes [M, K], dx [M], and with ``with_sums`` the float32 sum of x over
-// each group of ``group_size`` divided by dx, [M, K / group_size]. AVX-512 builds only.
+// each group of ``group_size`` divided by dx, [M, K / group_size]. With ``int8_tokens``,
+// int8 codes per row as compressed-tensors' dynamic per-token activations take them
+// (dx = max|x| / 127.5; xsum: the codes' sums). AVX-512 builds only.
 struct RowCodes16 {
   std::vector<int16_t> codes;
   std::vector<float> dx;
   std::vector<float> xsum;
 };
 RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,
-                             bool with_sums);
+                             bool with_sums, bool int8_tokens);
 // kquant_x16.cpp: x [M, K] float32 @ a KQx16 weight [N, K]^T (kernels/cpu/kquant.py).
+// fp8_matmul.cpp: x [M, K] float32 @ E4M3 codes, 16 rows interleaved [ceil(N / 16), K, 16]
+// uint8 (each times 2^-120), times scale [N] (which carries the 2^120).
+torch::Tensor fp8_x16_matmul(const torch::Tensor& x, const torch::Tensor& packed,
+                             const torch::Tensor& scale, int64_t n);
+
 torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plane,
                             const std::optional<torch::Tensor>& hi_plane, int64_t lo_width,
                             int64_t hi_width, int64_t bias, int64_t group_size,
                             int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
                             const std::optional<torch::Tensor>& dmin,
-                            const std::optional<torch::Tensor>& m, double sign, int64_t n);
+                            const std::optional<torch::Tensor>& m, double sign, int64_t n,
+                            bool int8_tokens);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,

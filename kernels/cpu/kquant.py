@@ -24,7 +24,8 @@ packed tensor dequantizes bit for bit as its file does (tests/unit/test_kquant_x
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +41,37 @@ KQ_LAYOUTS: dict[str, tuple[int, tuple[int, ...], int, int]] = {
     "Q5_0": (5, (4, 1), 32, 32),
     "Q5_1": (5, (4, 1), 32, 32),
 }
+
+# The integer codes of GPTQ, AWQ and compressed-tensors checkpoints: "W{bits}G{L}", codes of
+# ``bits`` bits, a float scale (and with a zero point, the min term) per quantization group
+# of L along K. sc is 1 per group of 32; an asymmetric weight's zero point z goes into m with
+# dmin = d, so ``(u - bias) * d - d * z``; ``dequantize`` subtracts the zero point first
+# (``(u - bias - z) * d``, each term an exact integer), as those tools dequantize.
+AFFINE_WIDTHS: dict[int, tuple[int, ...]] = {4: (4,), 8: (4, 4)}
+
+
+def affine_type(bits: int, group: int) -> str:
+    """The KQx16 type of ``bits``-bit integer codes with a scale per ``group`` along K."""
+    if bits not in AFFINE_WIDTHS:
+        raise ValueError(f"integer codes of {bits} bits are not served (4 and 8 are)")
+    if group % SUB_BLOCK:
+        raise ValueError(f"quantization groups must be multiples of 32 elements, got {group}")
+    return f"W{bits}G{group}"
+
+
+def kq_layout(type_name: str) -> tuple[int, tuple[int, ...], int, int]:
+    """(bits, code planes low first, group G, float block L) of a KQx16 type."""
+    if type_name in KQ_LAYOUTS:
+        return KQ_LAYOUTS[type_name]
+    match = re.fullmatch(r"W(\d+)G(\d+)", type_name)
+    if match is None:
+        raise KeyError(f"unknown KQx16 type {type_name!r}")
+    bits, block = int(match[1]), int(match[2])
+    return bits, AFFINE_WIDTHS[bits], SUB_BLOCK, block
+
+
+def is_affine(type_name: str) -> bool:
+    return type_name.startswith("W")
 
 
 def pack_plane(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -90,6 +122,13 @@ class KQx16:
     m: torch.Tensor | None  # int8 [NB, K / G, 16]
     bias: int
     sign: float  # of the min term: -1 (K-quants), +1 (Q5_1)
+    # Act-order checkpoints (GPTQ's desc_act, compressed-tensors' actorder "group"): packed
+    # column c is the original column perm[c], so that groups are contiguous; the kernel
+    # reads x[:, perm]. None: the original order.
+    perm: torch.Tensor | None = None
+    # How x is quantized inside the kernel: False, int16 codes per row; True, int8 codes
+    # per token as a W8A8 checkpoint's dynamic activations are (kernels.h).
+    int8_tokens: bool = False
 
     layout = "x16"  # as the Q4 / Q8 weights' x16 layout: it serves matmuls and lookups
 
@@ -114,13 +153,14 @@ class KQx16:
         planes = [p[index].contiguous() for p in self.planes]
         d, sc = pick(self.d), pick(self.sc)
         assert d is not None and sc is not None
-        return KQx16(self.type_name, planes, d, sc, pick(self.dmin), pick(self.m), self.bias, self.sign)
+        return replace(self, planes=planes, d=d, sc=sc, dmin=pick(self.dmin), m=pick(self.m))
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> KQx16:
-        """Experts of a 3-D weight: K-quant experts are not served yet."""
+        """KQx16 weights are 2-D: a file's 3-D expert tensor is read expert by expert
+        (common/models/quant/gguf.py), each expert a weight of its own."""
         raise TypeError(
-            f"{self.type_name} weights are 2-D here; mixture-of-experts K-quant tensors are "
-            "not served yet"
+            f"{self.type_name} weights are 2-D; select experts before packing (one KQx16 "
+            "weight per expert)"
         )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -134,6 +174,7 @@ class KQx16:
     def cat(parts: list[KQx16]) -> KQx16:
         """Rows of several weights of one type stacked (fused projections)."""
         assert len({p.type_name for p in parts}) == 1, "fused KQx16 parts differ in type"
+        assert all(same_columns(parts[0], p) for p in parts), "fused parts differ in columns"
 
         def joined(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
             return None if ts[0] is None else torch.cat(ts, dim=0)  # type: ignore[arg-type]
@@ -142,9 +183,9 @@ class KQx16:
         planes = [torch.cat([p.planes[i] for p in parts]) for i in range(len(first.planes))]
         d, sc = joined([p.d for p in parts]), joined([p.sc for p in parts])
         assert d is not None and sc is not None
-        return KQx16(
-            first.type_name, planes, d, sc, joined([p.dmin for p in parts]),
-            joined([p.m for p in parts]), first.bias, first.sign,
+        return replace(
+            first, planes=planes, d=d, sc=sc, dmin=joined([p.dmin for p in parts]),
+            m=joined([p.m for p in parts]),
         )  # fmt: skip
 
     @property
@@ -154,11 +195,11 @@ class KQx16:
 
     @property
     def group_size(self) -> int:
-        return KQ_LAYOUTS[self.type_name][2]
+        return kq_layout(self.type_name)[2]
 
     @property
     def num_bytes(self) -> int:
-        parts = [*self.planes, self.d, self.sc, self.dmin, self.m]
+        parts = [*self.planes, self.d, self.sc, self.dmin, self.m, self.perm]
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     @staticmethod
@@ -171,10 +212,12 @@ class KQx16:
         m: torch.Tensor | None,
         bias: int,
         sign: float,
+        perm: torch.Tensor | None = None,
+        int8_tokens: bool = False,
     ) -> KQx16:
         """From the rows: codes uint8 [N, K], d / dmin float32 [N, K / L], sc / m integer
-        [N, K / G]."""
-        bits, widths, _, _ = KQ_LAYOUTS[type_name]
+        [N, K / G] (columns in ``perm``'s order where one is given)."""
+        bits, widths, _, _ = kq_layout(type_name)
         assert int(u.max()) < 1 << bits, f"{type_name} codes exceed {bits} bits"
         planes, shift = [], 0
         for width in widths:
@@ -182,11 +225,14 @@ class KQx16:
             shift += width
         small = [None if t is None else lanes(t.to(torch.int8)) for t in (sc, m)]
         big = [None if t is None else lanes(t.float()) for t in (d, dmin)]
-        return KQx16(type_name, planes, big[0], small[0], big[1], small[1], bias, sign)  # type: ignore[arg-type]
+        return KQx16(
+            type_name, planes, big[0], small[0], big[1], small[1], bias, sign,  # type: ignore[arg-type]
+            perm, int8_tokens,
+        )  # fmt: skip
 
     def codes(self) -> torch.Tensor:
-        """The unsigned codes, uint8 [N, K]."""
-        _, widths, _, _ = KQ_LAYOUTS[self.type_name]
+        """The unsigned codes, uint8 [N, K], in the packed column order."""
+        _, widths, _, _ = kq_layout(self.type_name)
         u, shift = None, 0
         for width, plane in zip(widths, self.planes, strict=True):
             part = unpack_plane(plane, width).to(torch.int32) << shift
@@ -196,29 +242,56 @@ class KQx16:
         return u.to(torch.uint8)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: ``(u - bias) * (d * sc)`` plus or minus ``dmin * m``, each
-        product and the sum in float32, as the gguf package computes them."""
+        """float32 [N, K] in the original column order. GGUF types: ``(u - bias) * (d *
+        sc)`` plus or minus ``dmin * m``, each product and the sum in float32, as the gguf
+        package computes them. Integer-code types: ``(u - bias - z) * d``."""
         n, k = self.shape
-        _, _, g, block = KQ_LAYOUTS[self.type_name]
+        _, _, g, block = kq_layout(self.type_name)
         per = block // g  # groups per float block
         d = rows(self.d).repeat_interleave(per, dim=1)  # [N, K / G]
         scales = d * rows(self.sc).float()
-        codes = (self.codes().to(torch.int16) - self.bias).float().view(n, k // g, g)
-        values = codes * scales[..., None]
-        if self.dmin is not None and self.m is not None:
-            mins = rows(self.dmin).repeat_interleave(per, dim=1) * rows(self.m).float()
-            values = values + (mins if self.sign > 0 else -mins)[..., None]
-        return values.view(n, k)
+        codes = (self.codes().to(torch.int16) - self.bias).view(n, k // g, g)
+        if is_affine(self.type_name):
+            if self.m is not None:
+                codes = codes - rows(self.m).to(torch.int16)[..., None]
+            values = codes.float() * scales[..., None]
+        else:
+            values = codes.float() * scales[..., None]
+            if self.dmin is not None and self.m is not None:
+                mins = rows(self.dmin).repeat_interleave(per, dim=1) * rows(self.m).float()
+                values = values + (mins if self.sign > 0 else -mins)[..., None]
+        values = values.view(n, k)
+        if self.perm is None:
+            return values
+        out = torch.empty_like(values)
+        out[:, self.perm] = values
+        return out
+
+
+def same_columns(a: KQx16, b: KQx16) -> bool:
+    """Whether two weights read x in the same column order (so they may be fused)."""
+    if a.perm is None or b.perm is None:
+        return a.perm is None and b.perm is None
+    return torch.equal(a.perm, b.perm)
+
+
+def kq_available() -> bool:
+    """Whether the KQx16 kernels are built here: AVX-512 VNNI, or their AVX2 path."""
+    from kernels.cpu import available, load
+
+    return available() and bool(load().has_kq())
 
 
 def kq_x16_matmul(x: torch.Tensor, w: KQx16) -> torch.Tensor:
     """x [M, K] float32 @ w [N, K]^T -> [M, N] float32 (kquant_x16.cpp)."""
     from kernels.cpu import load
 
-    _, widths, group, block = KQ_LAYOUTS[w.type_name]
+    _, widths, group, block = kq_layout(w.type_name)
     hi = w.planes[1] if len(w.planes) > 1 else None
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)
     out: torch.Tensor = load().kq_x16_matmul(
         x, w.planes[0], hi, widths[0], widths[1] if hi is not None else 0, w.bias, group,
-        block, w.d, w.sc, w.dmin, w.m, w.sign, w.shape[0],
+        block, w.d, w.sc, w.dmin, w.m, w.sign, w.shape[0], w.int8_tokens,
     )  # fmt: skip
     return out

@@ -1,18 +1,22 @@
 // Matmuls over KQx16 weights (kernels/cpu/kquant.py): GGUF's K-quants and Q5_0 / Q5_1 at
 // their own bit widths, 16 weight rows in the lanes of a 512-bit register, for CPUs with
-// AVX-512 (F, BW, VL) and VNNI. Activations float32 in and out, quantized inside to int16
-// codes with one step per row, as quant_x16.cpp does for Q4x16.
+// AVX-512 (F, BW, VL) and VNNI; for CPUs with AVX2 only, the same layout in two 256-bit
+// halves (PDSERVE_KQ8, below). Activations float32 in and out, quantized inside to int16
+// codes with one step per row, as quant_x16.cpp does for Q4x16, or (int8_tokens) to int8
+// codes per row as compressed-tensors' W8A8 checkpoints quantize their activations.
 //
 // M = activation rows, K = input features, N = output features, NB = N / 16, SB = K / 32,
-// G = group size (16 or 32), L = the float block (256, or 32 for Q5_0 / Q5_1).
+// G = group size (16 or 32), L = the float block (256, or 32 for Q5_0 / Q5_1; a checkpoint's
+// quantization group for the integer codes of GPTQ, AWQ and compressed-tensors, whose zero
+// point is the min term's m with dmin = d).
 //
 // A weight is (u - bias) * (d * sc) + sign * (dmin * m). Per sub-block of 32 and each of its
 // 16 pairs of elements p, the code planes unpack into one int16 vector per pair (lane i,
-// h = 0 / 1: u[16j + i, 32b + 2p + h]), the bias is subtracted (codes become signed), and
-// one vpdpwssd adds u x[2p] + u' x[2p + 1] into lane i: the int32 sum S of each group is
-// exact. Then per group, in float32: acc += S * (d * sc), and with mins
-// acc += sign * (dmin * m) * xsum_g / dx; y = acc * dx. d * sc and dmin * m are exact
-// products (an 11-bit significand times at most 8 bits).
+// h = 0 / 1: u[16j + i, 32b + 2p + h]) and one vpdpwssd adds u x[2p] + u' x[2p + 1] into
+// lane i; per group the bias's term, bias times the group's sum of x codes, is subtracted:
+// the int32 sum S of (u - bias) x over each group is exact. Then per group, in float32:
+// acc += S * (d * sc), and with mins acc += sign * (dmin * m) * xsum_g / dx; y = acc * dx.
+// d * sc and dmin * m are exact products (an 11-bit significand times at most 8 bits).
 //
 // Plane of width w, chunk c = p / (16 / w), position t = p % (16 / w): the pair's bits are
 // (word >> w t) & (2^w - 1) of each 16-bit word; a second plane's bits go above the first's.
@@ -23,14 +27,20 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PDSERVE_KQ16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_KQ8 1  // the AVX2 path: each 16-lane vector as two halves of 8 lanes
 #endif
 
 namespace {
@@ -71,16 +81,39 @@ inline __m512 scales16(const float* d, const int8_t* s) {
   return _mm512_mul_ps(_mm512_loadu_ps(d), small);
 }
 
-// The int16 codes of pair P from a plane of width W held in registers (its W chunks).
+// The int16 codes of pair P from a plane of width W held in registers (its W chunks): the
+// word shifted down (the top field needs no mask).
 template <int W, int P>
 inline __m512i plane_bits(const __m512i* chunks) {
-  constexpr int per_word = 16 / W;
-  return _mm512_and_si512(_mm512_srli_epi16(chunks[P / per_word], W * (P % per_word)),
-                          _mm512_set1_epi16(static_cast<int16_t>((1 << W) - 1)));
+  constexpr int per_word = 16 / W, at = W * (P % per_word);
+  const __m512i word = chunks[P / per_word];
+  const __m512i down = at ? _mm512_srli_epi16(word, at) : word;
+  if constexpr (at + W == 16) return down;
+  return _mm512_and_si512(down, _mm512_set1_epi16(static_cast<int16_t>((1 << W) - 1)));
 }
 
-// Sums of one sub-block: R rows against T n-blocks, the codes of planes LO (+ HI above it),
-// groups of G; widths and pair positions are compile-time, so every shift is an immediate.
+// Pair P's code from a low plane of width LO and a high plane of width HI above it: the low
+// field shifted down unmasked, the high field moved to bits LO.. and masked, then one
+// vpternlogd keeps (low & (2^LO - 1)) | high.
+template <int LO, int HI, int P>
+inline __m512i joined_bits(const __m512i* lo, const __m512i* hi) {
+  constexpr int lo_per = 16 / LO, lo_at = LO * (P % lo_per);
+  constexpr int hi_per = 16 / HI, hi_at = HI * (P % hi_per);
+  const __m512i lw = lo[P / lo_per], hw = hi[P / hi_per];
+  const __m512i low = lo_at ? _mm512_srli_epi16(lw, lo_at) : lw;
+  __m512i high = hw;
+  if constexpr (hi_at > LO) high = _mm512_srli_epi16(hw, hi_at - LO);
+  if constexpr (hi_at < LO) high = _mm512_slli_epi16(hw, LO - hi_at);
+  high = _mm512_and_si512(high, _mm512_set1_epi16(static_cast<int16_t>(((1 << HI) - 1) << LO)));
+  // imm 0xEC: (A & C) | B with A = low, B = high, C = the low field's mask.
+  return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi16(static_cast<int16_t>((1 << LO) - 1)),
+                                   0xEC);
+}
+
+// Sums of one sub-block: R rows against T n-blocks, the unsigned codes of planes LO (+ HI
+// above it), groups of G; widths and pair positions are compile-time, so every shift is an
+// immediate. The code bias is taken off per group afterwards (bias times the group's sum of
+// x codes: the same integers), not per pair.
 template <int LO, int HI, int G, int R, int T>
 struct SubBlock {
   static constexpr int kHi = HI > 0 ? HI : 1;
@@ -88,16 +121,17 @@ struct SubBlock {
   __m512i hi[T][kHi];
   __m512i sum[R][T][2];
   const int16_t* x[R];
-  __m512i bias;
-  bool biased;
 
   template <int P>
   inline void pair() {
     const int half = P / (G / 2);
     for (int t = 0; t < T; ++t) {
-      __m512i v = plane_bits<LO, P>(lo[t]);
-      if constexpr (HI > 0) v = _mm512_or_si512(v, _mm512_slli_epi16(plane_bits<kHi, P>(hi[t]), LO));
-      if (biased) v = _mm512_sub_epi16(v, bias);
+      __m512i v;
+      if constexpr (HI > 0) {
+        v = joined_bits<LO, kHi, P>(lo[t], hi[t]);
+      } else {
+        v = plane_bits<LO, P>(lo[t]);
+      }
       for (int r = 0; r < R; ++r)
         sum[r][t][half] = _mm512_dpwssd_epi32(sum[r][t][half], v, pair_of(x[r] + 2 * P));
     }
@@ -111,15 +145,13 @@ struct SubBlock {
 
 // R rows of x (from m0) against T n-blocks (from j0).
 template <int LO, int HI, int G, int R, int T>
-void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, int64_t m0, int64_t j0,
-             const Dims& dims, float* out) {
+void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+             int64_t m0, int64_t j0, const Dims& dims, float* out) {
   const int64_t num_sub = dims.num_sub();
   const int64_t groups = dims.K / G, blocks = dims.K / w.L;
   constexpr int64_t lo_stride = LO * 64, hi_stride = (HI > 0 ? HI : 1) * 64;
   constexpr int groups_per_sub = static_cast<int>(kSub / G);  // 1 or 2
   SubBlock<LO, HI, G, R, T> sb;
-  sb.bias = _mm512_set1_epi16(static_cast<int16_t>(w.bias));
-  sb.biased = w.bias != 0;
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -139,6 +171,12 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, int64_t m0, i
     sb.pairs(std::make_integer_sequence<int, 16>{});
     for (int q = 0; q < groups_per_sub; ++q) {
       const int64_t g = b * groups_per_sub + q;
+      if (csum != nullptr) {  // sum (u - bias) x = sum u x - bias * sum x, in integers
+        for (int r = 0; r < R; ++r) {
+          const __m512i off = _mm512_set1_epi32(w.bias * csum[(m0 + r) * groups + g]);
+          for (int t = 0; t < T; ++t) sb.sum[r][t][q] = _mm512_sub_epi32(sb.sum[r][t][q], off);
+        }
+      }
       for (int t = 0; t < T; ++t) {
         const int64_t at_block = ((j0 + t) * blocks + g * G / w.L) * kLanes;
         const int64_t at_group = ((j0 + t) * groups + g) * kLanes;
@@ -166,10 +204,10 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, int64_t m0, i
 // Rows [m0, m0 + rows) (at most kMaxRows) against n-blocks [j0, j1): a lone row takes 4
 // n-blocks a pass (4 independent chains of vpdpwssd), 2-4 rows take 2.
 template <int LO, int HI, int G>
-void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, int64_t m0, int rows,
-             int64_t j0, int64_t j1, const Dims& dims, float* out) {
+void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+             int64_t m0, int rows, int64_t j0, int64_t j1, const Dims& dims, float* out) {
   int64_t j = j0;
-#define PDSERVE_KQ_TILE(R, T) kq_tile<LO, HI, G, R, T>(w, qx, m0, j, dims, out)
+#define PDSERVE_KQ_TILE(R, T) kq_tile<LO, HI, G, R, T>(w, qx, csum, m0, j, dims, out)
   switch (rows) {
     case 1: for (; j + 4 <= j1; j += 4) PDSERVE_KQ_TILE(1, 4); break;
     case 2: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(2, 2); break;
@@ -187,8 +225,16 @@ void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, int64_t m0, i
 #undef PDSERVE_KQ_TILE
 }
 
-using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, int64_t, int, int64_t,
-                        int64_t, const Dims&, float*);
+using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
+                        int64_t, int, int64_t, int64_t, const Dims&, float*);
+
+
+constexpr int64_t kUnitsPerBlock = 1;  // a tile's unit: an n-block
+
+pdserve_cpu::RowCodes16 quantize_kq(const float* x, const Dims& dims, int64_t G, bool with_sums,
+                                    bool int8_tokens) {
+  return pdserve_cpu::x16_quantize_rows(x, dims.M, dims.K, G, with_sums, int8_tokens);
+}
 
 // The instantiation for a type's planes and group (kernels/cpu/kquant.py's KQ_LAYOUTS).
 RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
@@ -197,10 +243,254 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
   if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows<4, 0, 32>;  // Q4_K
   if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows<4, 1, 32>;  // Q5_K, Q5_0, Q5_1
   if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows<4, 2, 16>;  // Q6_K
+  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows<4, 4, 32>;  // 8-bit integer codes
   return nullptr;
 }
 
 #endif  // PDSERVE_KQ16
+
+#ifdef PDSERVE_KQ8
+
+// The AVX2 path reads the same layout: the 64 bytes of a chunk are two 256-bit halves, lanes
+// 0-7 then 8-15, each 32-bit element one lane's pair of 16-bit words. A half unpacks with the
+// same shifts and masks (AND and OR for vpternlogd) and vpmaddwd + vpaddd stand for vpdpwssd:
+// the same exact int32 sums. Activations are coded here as quant_x16.cpp codes them (one
+// int16 step per row, round to nearest even; or int8 per token), in scalar code.
+
+pdserve_cpu::RowCodes16 quantize_rows8(const float* x, const Dims& dims, int64_t G,
+                                       bool with_sums, bool int8_tokens) {
+  pdserve_cpu::RowCodes16 q;
+  const int64_t groups = dims.K / G;
+  q.codes.resize(dims.M * dims.K);
+  q.dx.resize(dims.M);
+  if (with_sums) q.xsum.assign(dims.M * groups, 0.f);
+  for (int64_t m = 0; m < dims.M; ++m) {
+    const float* row = x + m * dims.K;
+    int16_t* out = q.codes.data() + m * dims.K;
+    float absmax = 0.f;
+    for (int64_t k = 0; k < dims.K; ++k) absmax = std::max(absmax, std::fabs(row[k]));
+    if (int8_tokens) {  // compressed-tensors' dynamic per-token int8 (quant_x16.cpp)
+      float scale = absmax / 127.5f;
+      if (scale == 0.f) scale = FLT_EPSILON;
+      for (int64_t k = 0; k < dims.K; ++k) {
+        const float c = std::nearbyint(row[k] / scale);
+        out[k] = static_cast<int16_t>(std::min(127.f, std::max(-128.f, c)));
+      }
+      if (with_sums) {
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t s = 0;
+          for (int64_t k = g * G; k < (g + 1) * G; ++k) s += out[k];
+          q.xsum[m * groups + g] = static_cast<float>(s);
+        }
+      }
+      q.dx[m] = scale;
+      continue;
+    }
+    const float dx = absmax / 32767.f;
+    const float inv = absmax > 0.f ? 32767.f / absmax : 0.f;
+    for (int64_t k = 0; k < dims.K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+    if (with_sums && absmax > 0.f) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += row[k];
+        q.xsum[m * groups + g] = s / dx;
+      }
+    }
+    q.dx[m] = dx;
+  }
+  return q;
+}
+
+inline __m256i pair_of8(const int16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm256_set1_epi32(bits);
+}
+
+template <int W, int P>
+inline __m256i plane_bits8(const __m256i* chunks) {
+  constexpr int per_word = 16 / W, at = W * (P % per_word);
+  const __m256i word = chunks[P / per_word];
+  const __m256i down = at ? _mm256_srli_epi16(word, at) : word;
+  if constexpr (at + W == 16) return down;
+  return _mm256_and_si256(down, _mm256_set1_epi16(static_cast<int16_t>((1 << W) - 1)));
+}
+
+template <int LO, int HI, int P>
+inline __m256i joined_bits8(const __m256i* lo, const __m256i* hi) {
+  constexpr int hi_per = 16 / HI, hi_at = HI * (P % hi_per);
+  const __m256i low = plane_bits8<LO, P>(lo);
+  const __m256i hw = hi[P / hi_per];
+  __m256i high = hw;
+  if constexpr (hi_at > LO) high = _mm256_srli_epi16(hw, hi_at - LO);
+  if constexpr (hi_at < LO) high = _mm256_slli_epi16(hw, LO - hi_at);
+  high = _mm256_and_si256(high, _mm256_set1_epi16(static_cast<int16_t>(((1 << HI) - 1) << LO)));
+  return _mm256_or_si256(low, high);
+}
+
+// One sub-block's sums on the AVX2 path: R rows against T halves (SubBlock's shape).
+template <int LO, int HI, int G, int R, int T>
+struct SubBlock8 {
+  static constexpr int kHi = HI > 0 ? HI : 1;
+  __m256i lo[T][LO];
+  __m256i hi[T][kHi];
+  __m256i sum[R][T][2];
+  const int16_t* x[R];
+
+  template <int P>
+  inline void pair() {
+    const int half = P / (G / 2);
+    for (int t = 0; t < T; ++t) {
+      __m256i v;
+      if constexpr (HI > 0) {
+        v = joined_bits8<LO, kHi, P>(lo[t], hi[t]);
+      } else {
+        v = plane_bits8<LO, P>(lo[t]);
+      }
+      for (int r = 0; r < R; ++r)
+        sum[r][t][half] =
+            _mm256_add_epi32(sum[r][t][half], _mm256_madd_epi16(v, pair_of8(x[r] + 2 * P)));
+    }
+  }
+
+  template <int... P>
+  inline void pairs(std::integer_sequence<int, P...>) {
+    (pair<P>(), ...);
+  }
+};
+
+inline __m256 small_scales8(const int8_t* s8) {
+  int64_t bits;
+  std::memcpy(&bits, s8, 8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
+}
+
+// R rows of x against T halves (8 lanes each) from half h0 (half 2j + e is n-block j's
+// lanes 8e..8e+7).
+template <int LO, int HI, int G, int R, int T>
+void kq_tile8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+              int64_t m0, int64_t h0, const Dims& dims, float* out) {
+  constexpr int groups_per_sub = static_cast<int>(kSub / G);
+  const int64_t num_sub = dims.num_sub();
+  const int64_t groups = dims.K / G, blocks = dims.K / w.L;
+  SubBlock8<LO, HI, G, R, T> sb;
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    for (int t = 0; t < T; ++t) {
+      const int64_t j = (h0 + t) / 2, e = (h0 + t) % 2;
+      const uint8_t* lp = w.lo + (j * num_sub + b) * LO * 64 + e * 32;
+      for (int c = 0; c < LO; ++c)
+        sb.lo[t][c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lp + c * 64));
+      if constexpr (HI > 0) {
+        const uint8_t* hp = w.hi + (j * num_sub + b) * HI * 64 + e * 32;
+        for (int c = 0; c < HI; ++c)
+          sb.hi[t][c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + c * 64));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      sb.x[r] = qx.codes.data() + (m0 + r) * dims.K + b * kSub;
+      for (int t = 0; t < T; ++t) sb.sum[r][t][0] = sb.sum[r][t][1] = _mm256_setzero_si256();
+    }
+    sb.pairs(std::make_integer_sequence<int, 16>{});
+    for (int q = 0; q < groups_per_sub; ++q) {
+      const int64_t g = b * groups_per_sub + q;
+      if (csum != nullptr) {
+        for (int r = 0; r < R; ++r) {
+          const __m256i off = _mm256_set1_epi32(w.bias * csum[(m0 + r) * groups + g]);
+          for (int t = 0; t < T; ++t) sb.sum[r][t][q] = _mm256_sub_epi32(sb.sum[r][t][q], off);
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const int64_t j = (h0 + t) / 2, e = (h0 + t) % 2;
+        const int64_t at_block = (j * blocks + g * G / w.L) * kLanes + e * 8;
+        const int64_t at_group = (j * groups + g) * kLanes + e * 8;
+        const __m256 scale =
+            _mm256_mul_ps(_mm256_loadu_ps(w.d + at_block), small_scales8(w.sc + at_group));
+        __m256 min_term = _mm256_setzero_ps();
+        if (w.dmin) {
+          min_term = _mm256_mul_ps(_mm256_loadu_ps(w.dmin + at_block), small_scales8(w.m + at_group));
+          if (w.sign < 0) min_term = _mm256_sub_ps(_mm256_setzero_ps(), min_term);
+        }
+        for (int r = 0; r < R; ++r) {
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb.sum[r][t][q]), scale, acc[r][t]);
+          if (w.dmin)
+            acc[r][t] = _mm256_fmadd_ps(min_term, _mm256_set1_ps(qx.xsum[(m0 + r) * groups + g]),
+                                        acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      const int64_t j = (h0 + t) / 2, e = (h0 + t) % 2;
+      _mm256_storeu_ps(out + (m0 + r) * dims.N + j * kLanes + e * 8,
+                       _mm256_mul_ps(acc[r][t], _mm256_set1_ps(qx.dx[m0 + r])));
+    }
+}
+
+// Rows [m0, m0 + rows) against halves [h0, h1): a lone row takes 4 halves a pass, more rows 2.
+template <int LO, int HI, int G>
+void kq_rows8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+              int64_t m0, int rows, int64_t h0, int64_t h1, const Dims& dims, float* out) {
+  int64_t h = h0;
+#define PDSERVE_KQ8_TILE(R, T) kq_tile8<LO, HI, G, R, T>(w, qx, csum, m0, h, dims, out)
+  switch (rows) {
+    case 1: for (; h + 4 <= h1; h += 4) PDSERVE_KQ8_TILE(1, 4); break;
+    case 2: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(2, 2); break;
+    case 3: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(3, 2); break;
+    default: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(4, 2); break;
+  }
+  for (; h < h1; ++h) {
+    switch (rows) {
+      case 1: PDSERVE_KQ8_TILE(1, 1); break;
+      case 2: PDSERVE_KQ8_TILE(2, 1); break;
+      case 3: PDSERVE_KQ8_TILE(3, 1); break;
+      default: PDSERVE_KQ8_TILE(4, 1); break;
+    }
+  }
+#undef PDSERVE_KQ8_TILE
+}
+
+using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
+                        int64_t, int, int64_t, int64_t, const Dims&, float*);
+
+constexpr int64_t kUnitsPerBlock = 2;  // a tile's unit: half an n-block
+
+pdserve_cpu::RowCodes16 quantize_kq(const float* x, const Dims& dims, int64_t G, bool with_sums,
+                                    bool int8_tokens) {
+  return quantize_rows8(x, dims, G, with_sums, int8_tokens);
+}
+
+RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
+  if (lo_w == 2 && hi_w == 0 && group == 16) return kq_rows8<2, 0, 16>;
+  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_rows8<2, 1, 16>;
+  if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows8<4, 0, 32>;
+  if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows8<4, 1, 32>;
+  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows8<4, 2, 16>;
+  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows8<4, 4, 32>;
+  return nullptr;
+}
+
+#endif  // PDSERVE_KQ8
+
+#if defined(PDSERVE_KQ16) || defined(PDSERVE_KQ8)
+// Each row's sum of x codes per group of G, [M, K / G]: the code bias's term.
+std::vector<int32_t> code_sums(const pdserve_cpu::RowCodes16& qx, const Dims& dims, int64_t G) {
+  const int64_t groups = dims.K / G;
+  std::vector<int32_t> sums(static_cast<size_t>(dims.M * groups));
+  for (int64_t m = 0; m < dims.M; ++m) {
+    const int16_t* row = qx.codes.data() + m * dims.K;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t s = 0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += row[k];
+      sums[m * groups + g] = s;
+    }
+  }
+  return sums;
+}
+#endif
 
 }  // namespace
 
@@ -211,7 +501,8 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                             int64_t hi_width, int64_t bias, int64_t group_size,
                             int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
                             const std::optional<torch::Tensor>& dmin,
-                            const std::optional<torch::Tensor>& m, double sign, int64_t n) {
+                            const std::optional<torch::Tensor>& m, double sign, int64_t n,
+                            bool int8_tokens) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
                   x.is_contiguous(),
               "x must be a contiguous float32 [M, K] CPU matrix");
@@ -243,7 +534,7 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
   }
   auto out = torch::empty({dims.M, dims.N}, x.options());
   if (dims.M == 0) return out;
-#ifdef PDSERVE_KQ16
+#if defined(PDSERVE_KQ16) || defined(PDSERVE_KQ8)
   const KqWeight w{lo_plane.data_ptr<uint8_t>(),
                    hi_plane.has_value() ? hi_plane->data_ptr<uint8_t>() : nullptr,
                    static_cast<int>(lo_width), static_cast<int>(hi_width),
@@ -253,25 +544,38 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
   const RowsFn run = rows_fn(w.lo_w, w.hi ? w.hi_w : 0, group_size);
   TORCH_CHECK(run != nullptr, "no KQx16 kernel for planes of ", lo_width, " + ",
               hi_plane.has_value() ? hi_width : 0, " bits in groups of ", group_size);
-  const RowCodes16 qx = x16_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,
-                                          dmin.has_value());
+  const RowCodes16 qx =
+      quantize_kq(x.data_ptr<float>(), dims, group_size, dmin.has_value(), int8_tokens);
+  std::vector<int32_t> csum;
+  if (w.bias != 0) csum = code_sums(qx, dims, group_size);
+  const int32_t* cs = csum.empty() ? nullptr : csum.data();
   float* op = out.data_ptr<float>();
-  // Chunks of 4 n-blocks (64 outputs) so a lone row's passes are whole; rows in passes of
-  // near-equal size, none over kMaxRows.
-  const int64_t num_quads = (dims.num_blocks() + 3) / 4;
+  // Chunks of 4 units (n-blocks, or the AVX2 path's halves of them) so a lone row's passes
+  // are whole; rows in passes of near-equal size, none over kMaxRows.
+  const int64_t units = kUnitsPerBlock * dims.num_blocks();
+  const int64_t num_quads = (units + 3) / 4;
   const int64_t passes = (dims.M + kMaxRows - 1) / kMaxRows;
   parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
-    const int64_t j0 = q0 * 4, j1 = std::min(dims.num_blocks(), q1 * 4);
+    const int64_t u0 = q0 * 4, u1 = std::min(units, q1 * 4);
     for (int64_t p = 0, m0 = 0; p < passes; ++p) {
       const int rows = static_cast<int>((dims.M - m0) / (passes - p));
-      run(w, qx, m0, rows, j0, j1, dims, op);
+      run(w, qx, cs, m0, rows, u0, u1, dims, op);
       m0 += rows;
     }
   });
 #else
-  TORCH_CHECK(false, "the KQx16 kernels need AVX-512 F/BW/VL and VNNI (this build has none)");
+  TORCH_CHECK(false, "the KQx16 kernels need AVX2 and FMA, or AVX-512 F/BW/VL and VNNI "
+              "(this build has neither)");
 #endif
   return out;
+}
+
+bool has_kq() {
+#if defined(PDSERVE_KQ16) || defined(PDSERVE_KQ8)
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace pdserve_cpu
@@ -280,4 +584,6 @@ void register_kquant_x16(pybind11::module& m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("kq_x16_matmul", &pdserve_cpu::kq_x16_matmul, release(),
         "x [M, K] float32 @ KQx16 weights [N, K]^T -> [M, N] float32 (kernels/cpu/kquant.py)");
+  m.def("has_kq", &pdserve_cpu::has_kq,
+        "whether the KQx16 kernels were compiled in (AVX-512 VNNI, or the AVX2 path)");
 }

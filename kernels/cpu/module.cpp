@@ -8,6 +8,7 @@ void register_quant_x16(pybind11::module& m);
 void register_kquant_x16(pybind11::module& m);
 void register_ops(pybind11::module& m);
 void register_decode_model(pybind11::module& m);
+void register_fp8(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant(m);
@@ -15,4 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_kquant_x16(m);
   register_ops(m);
   register_decode_model(m);
+  register_fp8(m);
 }

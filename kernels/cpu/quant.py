@@ -222,3 +222,21 @@ def q4_dequantize(
     end = qweight.shape[0] if row_end is None else row_end
     out: torch.Tensor = load().q4_dequantize(qweight, scales, mins, group_size, row_start, end)
     return out
+
+
+def fp8_x16_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x float32 [M, K] contiguous @ FP8 E4M3 codes held 16 rows interleaved, ``packed`` uint8
+    [ceil(N / 16), K, 16] (fp8_matmul.cpp), -> float32 [M, N]: ``x . (code * 2^-120)`` per
+    row times ``scale`` [N], which carries the 2^120 (``Fp8Weight.kernel_scale``)."""
+    out: torch.Tensor = load().fp8_x16_matmul(x, packed, scale, n)
+    return out
+
+
+def half_x16_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x float32 [M, K] contiguous @ bfloat16 / float16 weights held 16 rows interleaved,
+    ``packed`` [ceil(N / 16), K, 16] (common/models/quant/half.py), -> float32 [M, N]; each
+    weight converted exactly, float32 products in a fixed order per output, whatever M."""
+    out: torch.Tensor = load().half_x16_matmul(x, packed, n)
+    return out

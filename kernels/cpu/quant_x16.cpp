@@ -37,6 +37,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -100,7 +101,32 @@ struct CodesX {
 
 #ifdef PDSERVE_X16
 
-CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums) {
+// int8 codes per token as compressed-tensors' dynamic symmetric activations compute them:
+// scale = max|x| / 127.5 (float32's epsilon where that is 0), code = x / scale rounded half
+// to even and clamped to [-128, 127]; xsum is the sum of each group's codes.
+void quantize_row_int8(const float* row, const Dims16& d, int16_t* out, float* dx, float* xsum) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d.K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  float scale = _mm512_reduce_max_ps(vmax) / 127.5f;
+  if (scale == 0.f) scale = FLT_EPSILON;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+  for (int64_t k = 0; k < d.K; k += 16) {
+    __m512i c = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(row + k), vscale));
+    c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(c));
+  }
+  if (xsum != nullptr) {
+    for (int64_t g = 0; g < d.num_groups(); ++g) {
+      int32_t s = 0;
+      for (int64_t k = g * d.G; k < (g + 1) * d.G; ++k) s += out[k];
+      xsum[g] = static_cast<float>(s);
+    }
+  }
+  *dx = scale;
+}
+
+CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums, bool int8_tokens = false) {
   CodesX q;
   q.codes.resize(d.M * d.K);
   q.dx.resize(d.M);
@@ -108,6 +134,11 @@ CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums) {
   for (int64_t m = 0; m < d.M; ++m) {
     const float* row = x + m * d.K;
     int16_t* out = q.codes.data() + m * d.K;
+    if (int8_tokens) {
+      quantize_row_int8(row, d, out, q.dx.data() + m,
+                        with_sums ? q.xsum.data() + m * d.num_groups() : nullptr);
+      continue;
+    }
     // K is a multiple of 32: whole vectors. Group sums add the group's vectors in order,
     // then their lanes (a fixed order, whatever the row's place in the batch).
     __m512 vmax = _mm512_setzero_ps();
@@ -345,10 +376,10 @@ torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
 }
 
 RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,
-                             bool with_sums) {
+                             bool with_sums, bool int8_tokens) {
 #ifdef PDSERVE_X16
   const Dims16 d{m, k, kLanes, group_size};
-  CodesX q = quantize_rows(x, d, with_sums);
+  CodesX q = quantize_rows(x, d, with_sums, int8_tokens);
   return RowCodes16{std::move(q.codes), std::move(q.dx), std::move(q.xsum)};
 #else
   (void)x;
@@ -356,6 +387,7 @@ RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group
   (void)k;
   (void)group_size;
   (void)with_sums;
+  (void)int8_tokens;
   TORCH_CHECK(false, "the x16 kernels need AVX-512 F/BW/VL and VNNI (this build has none)");
 #endif
 }

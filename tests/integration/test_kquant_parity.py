@@ -18,59 +18,66 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
 from common.models.default_model import resolve_model
+from common.models.quant.linear import QuantExperts
 from kernels.cpu import available
-from kernels.cpu import quant as cpu_quant
+from kernels.cpu.kquant import kq_available
+from loadtest.baselines.greedy_reference import NEW_TOKENS, greedy_reference
+from tests.quant_parity import assert_parts_only_at_near_ties
 
 FILES = Path(__file__).resolve().parents[1] / "data" / "kquants"
 PRESETS = ["Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1"]
+# Every preset of llama; one mix of qwen2 (q/k/v biases), qwen3 (q/k norms) and the qwen3moe
+# MoE model (its experts read from 3-D tensors), and that model in Q4_0.
+FILES_SERVED = [("llama", p) for p in PRESETS] + [
+    ("qwen2", "Q4_K_M"),
+    ("qwen3", "Q4_K_M"),
+    ("qwen3moe", "Q4_K_M"),
+    ("qwen3moe", "Q4_0"),
+]
 PROMPTS = [[5, 77, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], list(range(40, 140)), [901] * 7]
-NEW_TOKENS = 24
 NEAR_TIE = 0.02  # of logits spanning about 1 (a random model): 20x the largest error seen
 
 pytestmark = pytest.mark.skipif(
-    not available() or not cpu_quant.has_x16(),
-    reason="the K-quant kernel needs AVX-512 VNNI (the AVX2 path is not written yet)",
+    not available() or not kq_available(),
+    reason="the K-quant kernel needs AVX2 or AVX-512 VNNI",
 )
 
 
 def transformers_greedy(path: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    model.generation_config.eos_token_id = None
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, pad_token_id=0,
-            )  # fmt: skip
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logits.append(torch.cat(out.logits).float())
+    # The config the engine runs, which sets what transformers' GGUF reader leaves at its
+    # defaults (Qwen3-MoE's expert size and normalized top-k: common/models/gguf_dir.py).
+    config = AutoConfig.from_pretrained(resolve_model(str(path)))
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config
+    ).eval()
+    tokens, logits, _ = greedy_reference(model, PROMPTS, draws=0)
     return tokens, logits
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_tokens_match_transformers_on_the_same_file(preset: str) -> None:
-    path = FILES / f"tiny-llama-{preset}.gguf"
+@pytest.mark.parametrize(("arch", "preset"), FILES_SERVED)
+def test_greedy_tokens_match_transformers_on_the_same_file(arch: str, preset: str) -> None:
+    path = FILES / f"tiny-{arch}-{preset}.gguf"
     llm = LLM(EngineConfig(model=resolve_model(str(path)), device="cpu", quantization="gguf",
                            kv_cache_memory="64MiB"))  # fmt: skip
     # Its own KV identity (a block computed under one format is never reused under another),
-    # and its layers on the packed K-quant blocks, not float.
+    # and its layers on the packed blocks, not float.
     assert llm.engine.weight_identity == f"gguf-MOSTLY_{preset}/a16"
-    formats = {getattr(m, "format", "") for m in llm.engine.runner.model.modules()}
-    assert any(f.startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1")) for f in formats), formats
+    model = llm.engine.runner.model
+    formats = {getattr(m, "format", "") for m in model.modules()}
+    packed = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4/")
+    assert any(f.startswith(packed) for f in formats), formats
+    if arch == "qwen3moe":
+        experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+        assert len(experts) == 2 and all(e.num_experts == 4 for e in experts)
+        assert all(e.format.startswith(packed) for e in experts), [e.format for e in experts]
+        # As llama.cpp runs the file (transformers' GGUF reader would leave its defaults:
+        # experts of 768 and unnormalized top-k weights).
+        moe = model.spec.moe
+        assert moe is not None and moe.norm_topk_prob and moe.expert_intermediate_size == 256
     expected, logits = transformers_greedy(path)
     completions = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    identical = 0
-    for completion, want, ref in zip(completions, expected, logits, strict=True):
-        got = completion.token_ids
-        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        if first is None:
-            identical += 1
-            continue
-        margin = (ref[first, want[first]] - ref[first, got[first]]).item()
-        print(f"{preset}: parts at token {first}, transformers' margin {margin:.5f}")
-        assert 0 <= margin < NEAR_TIE, (preset, first, margin)
-    assert identical >= len(PROMPTS) // 2, (preset, identical)
+    assert_parts_only_at_near_ties(
+        f"{arch}-{preset}", [c.token_ids for c in completions], expected, logits, NEAR_TIE
+    )

@@ -132,3 +132,62 @@ def test_streaming_eviction_keeps_perplexity_flat_with_sinks_and_not_without(
                        strict=True):  # fmt: skip
         assert s["perplexity"] <= 1.35 * d["perplexity"]
         assert w["perplexity"] >= 1.3 * s["perplexity"]
+
+
+def llama_perplexity_binary() -> Path | None:
+    import os
+
+    cache = Path(os.environ.get("LLAMA_CPP_CACHE", Path.home() / ".cache/pdserve/llama.cpp"))
+    binary = cache / "bin" / "llama-perplexity"
+    return binary if binary.is_file() else None
+
+
+# The tiny K-quant files of each architecture (tests/data/kquants/, made by llama-quantize).
+KQUANT_FILES = ["llama-Q4_K_M", "llama-Q6_K", "llama-Q3_K_M", "qwen2-Q4_K_M", "qwen3-Q4_K_M",
+                "qwen3moe-Q4_K_M"]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    llama_perplexity_binary() is None,
+    reason="llama.cpp's llama-perplexity is not built (loadtest/baselines/build_llama_server.sh)",
+)
+@pytest.mark.parametrize("name", KQUANT_FILES)
+def test_llama_cpp_windows_match_llama_perplexity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """``--windows llama.cpp`` scores what ``llama-perplexity`` scores (whole windows, the
+    second half of each): on the same file and text the two figures agree within 0.5 %
+    (llama.cpp rounds activations to 8 bits; the engine to 16)."""
+    import re
+    import subprocess
+
+    path = tmp_path / "topics.txt"
+    path.write_text(topics_text(24000), encoding="utf-8")
+    gguf = Path(__file__).resolve().parents[1] / "data" / "kquants" / f"tiny-{name}.gguf"
+    context, chunks = 256, 6
+    binary = llama_perplexity_binary()
+    assert binary is not None
+    done = subprocess.run(
+        [str(binary), "-m", str(gguf), "-f", str(path), "-c", str(context), "-t", "2",
+         "--chunks", str(chunks)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    # After each chunk it prints the running figure, "[k]PPL"; the last is the estimate over
+    # every chunk. "Final estimate" repeats it with an error bar, but is left out when the
+    # variance of the log-probabilities comes out negative in rounding, as it can for a tiny
+    # random model whose predictions are all near-uniform (seen once in CI).
+    output = done.stdout + done.stderr
+    found = re.search(rf"\[{chunks}\]([0-9.]+)", output)
+    assert found, (done.stdout[-1000:], done.stderr[-2000:])
+    theirs = float(found[1])
+    final = re.search(r"Final estimate: PPL = ([0-9.]+)", output)
+    if final:
+        assert float(final[1]) == pytest.approx(theirs, abs=1e-3)
+    report = perplexity(
+        capsys, str(path), "--model", str(gguf), "--context", str(context),
+        "--windows", "llama.cpp", "--max-tokens", str(chunks * context + 10),
+    )  # fmt: skip
+    print(f"{name}: pdserve {report['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
+    assert report["num_windows"] == chunks
+    assert report["num_scored_tokens"] == chunks * (context - 1 - context // 2)
+    assert report["perplexity"] == pytest.approx(theirs, rel=0.005)

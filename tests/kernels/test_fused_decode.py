@@ -14,6 +14,7 @@ import torch
 from common.contract.sampling import SamplingParams
 from common.engine.engine import Engine
 from kernels.cpu import available
+from kernels.cpu import quant as cpu_quant
 from tests.factories import make_tiny_checkpoint, random_prompts, tiny_engine
 
 pytestmark = [
@@ -64,6 +65,16 @@ def _decode_logits(engine: Engine) -> tuple[dict[str, list[int]], list[torch.Ten
     return tokens, recorded
 
 
+def _assert_same_decode_steps(python: Engine, fused: Engine) -> None:
+    """The same greedy tokens, and every decode step's logits bit for bit."""
+    python_tokens, python_logits = _decode_logits(python)
+    fused_tokens, fused_logits = _decode_logits(fused)
+    assert fused_tokens == python_tokens
+    assert len(fused_logits) == len(python_logits) >= 10
+    for step, (a, b) in enumerate(zip(fused_logits, python_logits, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item()}"
+
+
 @pytest.mark.parametrize(("quantization", "act_bits"), QUANTIZATIONS)
 def test_fused_decode_steps_equal_the_python_path_bit_for_bit(
     checkpoint: Path, quantization: str, act_bits: int
@@ -73,12 +84,7 @@ def test_fused_decode_steps_equal_the_python_path_bit_for_bit(
     assert python.runner.model.fused_decoder is None
     assert fused.runner.model.fused_decoder is not None
     assert fused.runner.backend.name == "cpp"
-    python_tokens, python_logits = _decode_logits(python)
-    fused_tokens, fused_logits = _decode_logits(fused)
-    assert fused_tokens == python_tokens
-    assert len(fused_logits) == len(python_logits) >= 10
-    for step, (a, b) in enumerate(zip(fused_logits, python_logits, strict=True)):
-        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item()}"
+    _assert_same_decode_steps(python, fused)
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
@@ -97,3 +103,54 @@ def test_fused_decoder_stays_off_where_it_does_not_apply(tmp_path: Path) -> None
     }
     for why, engine in off.items():
         assert engine.runner.model.fused_decoder is None, why
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+@pytest.mark.skipif(not available() or not cpu_quant.has_x16(), reason="the KQx16 kernels need AVX-512 VNNI")
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gptq/llama-gptq-w4-g64-asym-actorder",  # integer codes: zero points, act order
+        "gptq/qwen2-gptq-w4-g128-actorder",  # act order, biases
+        "kquants/tiny-llama-Q4_K_M.gguf",  # K-quants mixed with Q8_0 / Q6_K tensors
+        "kquants/tiny-llama-Q3_K_M.gguf",
+    ],
+)
+def test_fused_decode_takes_kqx16_layers_bit_for_bit(model: str) -> None:
+    """KQx16 projections (K-quants, GPTQ / AWQ / compressed-tensors integer codes) in the
+    fused step: the same kernel as the Python path's, so the same logits bit for bit."""
+    from common.models.default_model import resolve_model
+    from common.models.quant.linear import QuantLinear
+    from kernels.cpu.kquant import KQx16
+
+    path = resolve_model(str(DATA / model))
+    python = tiny_engine(path, quantization="auto", fused_decode=False)
+    fused = tiny_engine(path, quantization="auto", fused_decode=True)
+    assert fused.runner.model.fused_decoder is not None
+    kq = [
+        m for m in fused.runner.model.modules()
+        if isinstance(m, QuantLinear) and isinstance(m.parts[0].weight, KQx16)
+    ]  # fmt: skip
+    assert kq, "the model should have KQx16 layers"
+    _assert_same_decode_steps(python, fused)
+
+
+@pytest.mark.parametrize("name", ["llama-fp8", "llama-fp8-dynamic", "qwen3-fp8-dynamic", "llama-w8a8"])
+def test_fused_decode_takes_fp8_and_w8a8_layers_bit_for_bit(ct_checkpoints: Path, name: str) -> None:
+    """llm-compressor's FP8 (static and dynamic activations) and W8A8 checkpoints in the fused
+    step: each layer's input quantized as the Python path quantizes it (fp8.py's operations,
+    the KQx16 kernel's int8 tokens), the same kernels, so the same logits bit for bit."""
+    from common.models.quant.fp8 import Fp8Weight
+    from common.models.quant.linear import QuantLinear
+
+    python = tiny_engine(ct_checkpoints / name, quantization="auto", fused_decode=False)
+    fused = tiny_engine(ct_checkpoints / name, quantization="auto", fused_decode=True)
+    assert fused.runner.model.fused_decoder is not None
+    fp8 = [
+        m for m in fused.runner.model.modules()
+        if isinstance(m, QuantLinear) and isinstance(m.parts[0].weight, Fp8Weight)
+    ]  # fmt: skip
+    assert bool(fp8) == ("fp8" in name)
+    _assert_same_decode_steps(python, fused)

@@ -1,5 +1,6 @@
 """The KQx16 kernel (kernels/cpu/kquant_x16.cpp) against the float64 reference of the same
-weights dequantized, for every K-quant type and Q5_0 / Q5_1.
+weights dequantized, for every K-quant type and Q5_0 / Q5_1; on an AVX-512 machine the
+AVX2 path passes the same tests too, from a build of its own (the last test).
 
 # M = activation rows, K = input features, N = output features
 
@@ -10,19 +11,20 @@ the per-group terms and the min term (computed from the float sum of x)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from common.models.quant.kquants import KQUANT_TYPES, read_kq_x16
 from kernels.cpu import available
-from kernels.cpu import quant as cpu_quant
-from kernels.cpu.kquant import KQ_LAYOUTS, KQx16, kq_x16_matmul, rows
+from kernels.cpu.kquant import KQ_LAYOUTS, KQx16, kq_available, kq_x16_matmul, rows
 from tests.unit.test_kquants import random_blocks
 
 pytestmark = pytest.mark.skipif(
-    not available() or not cpu_quant.has_x16(),
-    reason="no x16 kernels here (the CPU lacks AVX-512 BW / VL or VNNI)",
+    not available() or not kq_available(),
+    reason="no KQx16 kernels here (the CPU lacks AVX2, and AVX-512 VNNI)",
 )
 
 TYPES = sorted(KQUANT_TYPES)
@@ -105,3 +107,35 @@ def test_bad_arguments_are_refused() -> None:
     no_min = KQx16(w.type_name, w.planes, w.d, w.sc, w.dmin, None, w.bias, w.sign)
     with pytest.raises(RuntimeError, match="come together"):
         kq_x16_matmul(x, no_min)
+
+
+def test_the_avx2_path_passes_these_tests() -> None:
+    """The kernel's AVX2 path (for CPUs without AVX-512 VNNI) runs this module, the half /
+    FP8 kernels' tests and the K-quant and GPTQ files' greedy parity in a process whose kernels are built for x86-64-v3
+    (PDSERVE_CPU_TARGET=avx2: a build of its own beside the native one, a few minutes the
+    first time)."""
+    import os
+    import subprocess
+    import sys
+
+    from kernels.cpu import load
+
+    if not load().has_x16():
+        pytest.skip("this build is the AVX2 one already: the tests above ran it")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PDSERVE_CPU_TARGET": "avx2"}
+    check = subprocess.run(
+        [sys.executable, "-c", "from kernels.cpu import load; m = load(); "
+         "assert m.has_kq() and not m.has_x16(), (m.has_kq(), m.has_x16())"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr[-4000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/kernels/test_kquant_x16.py", "tests/kernels/test_fp8_matmul.py",
+         "tests/integration/test_kquant_parity.py",
+         "tests/integration/test_gptq_awq_parity.py", "-k", "not avx2_path and not awq"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]

@@ -315,7 +315,9 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     blocks = np.random.default_rng(0).integers(0, 255, (16, 18 * 8), dtype=np.uint8)
     checkpoint = _one_tensor_file(tmp_path / "iq4.gguf", GGMLQuantizationType.IQ4_NL, blocks)
     assert checkpoint.type_names == ["IQ4_NL"]
-    with pytest.raises(GgufError, match=r"'blk\.0\.attn_q\.weight' is IQ4_NL.*Q4_0, Q4_1, Q8_0.*Q4_K"):
+    with pytest.raises(
+        GgufError, match=r"'blk\.0\.attn_q\.weight' is IQ4_NL.*Q4_0, Q4_1, Q8_0.*Q4_K"
+    ):
         list(checkpoint.tensors())
 
 
@@ -329,10 +331,14 @@ def test_a_k_quant_the_kernel_cannot_take_is_named(tmp_path: Path) -> None:
 
 
 def test_unknown_tensor_names_are_refused() -> None:
-    with pytest.raises(
-        GgufError, match=r"blk\.0\.ffn_gate_exps\.weight.*MoE GGUF files are not yet"
-    ):
-        hf_name("blk.0.ffn_gate_exps.weight")
+    with pytest.raises(GgufError, match=r"blk\.0\.ssm_conv1d\.weight.*no counterpart"):
+        hf_name("blk.0.ssm_conv1d.weight")
+    assert hf_name("blk.2.ffn_up_exps.weight") == "model.layers.2.mlp.experts.{}.up_proj.weight"
+    assert hf_name("blk.0.ffn_gate_inp.weight") == "model.layers.0.mlp.gate.weight"
+    assert (
+        hf_name("blk.1.ffn_down_shexp.weight")
+        == "model.layers.1.mlp.shared_expert.down_proj.weight"
+    )
     assert hf_name("rope_freqs.weight") is None
     assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"

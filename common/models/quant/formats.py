@@ -5,8 +5,14 @@
 - ``int4``: 4-bit codes per group of ``group_size`` along the input, with a float16 scale
   and min per group (GGUF Q4_1's arithmetic), quantized at load.
 - ``gguf``: a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored.
-- ``auto``: ``gguf`` when the model has a GGUF file and the engine runs on the CPU, else
-  ``none`` (the quantized formats run on CPUs only so far).
+- ``compressed-tensors``: a compressed-tensors checkpoint's quantized layers as stored
+  (llm-compressor's W4A16, W8A8, FP8; common/models/quant/compressed.py).
+- ``gptq`` / ``awq``: a GPTQ or AWQ checkpoint's quantized layers as stored
+  (common/models/quant/gptq.py).
+- ``auto``: on the CPU, ``compressed-tensors``, ``gptq`` or ``awq`` when the checkpoint's
+  config says so,
+  ``gguf`` when the model has a GGUF file, else ``none`` (the quantized formats run on
+  CPUs only so far). ``none`` on a quantized checkpoint dequantizes it.
 
 Every format but ``none`` keeps the output head in int8 as well (per channel for int8 and
 int4, the file's own format for gguf); the MoE router and norms stay float. Embeddings are
@@ -27,16 +33,21 @@ if TYPE_CHECKING:
     from common.models.quant.linear import QuantCompute
 
 # Imported by common/engine/config.py: this module imports no torch at its top.
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq")
 QUANT_KERNELS = ("auto", "cpp", "torch")
+# The quant_method of the checkpoints read as stored (config.json's quantization_config).
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 DEFAULT_GROUP_SIZE = 32
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    name: str  # none | int8 | int4 | gguf
+    name: str  # none | int8 | int4 | gguf | compressed-tensors | gptq | awq
     group_size: int = 0  # int4's group size (0 otherwise)
-    file_type: str = ""  # gguf: the file's type, e.g. MOSTLY_Q4_1
+    # gguf: the file's type, e.g. MOSTLY_Q4_1; compressed-tensors: its schemes, e.g.
+    # w4-group128-asym (common/models/quant/compressed.py's Scheme.describe); gptq / awq:
+    # e.g. gptq-w4-g128-actorder (common/models/quant/gptq.py)
+    file_type: str = ""
     kernel: str = ""  # cpp | torch: what multiplies quantized weights ("" for none)
     act_bits: int = 16  # cpp: the precision x is quantized to inside the kernel
 
@@ -58,7 +69,11 @@ class WeightFormat:
         if not self.quantized:
             return None
         text = {"int8": "int8", "int4": f"int4-g{self.group_size}"}.get(self.name)
-        if text is None:
+        if self.name == "compressed-tensors":
+            text = f"ct-{self.file_type or 'unknown'}"
+        elif self.name in ("gptq", "awq"):
+            text = self.file_type or self.name
+        elif text is None:
             text = f"gguf-{self.file_type or 'unknown'}"
         return f"{text}/{self.activations}"
 
@@ -86,7 +101,9 @@ def resolve_weight_format(
     device_type: str = "cpu",
 ) -> WeightFormat:
     """The format an engine serves ``model`` in; raises ValueError with what to do instead."""
+    from common.models.quant.compressed import CtConfig, quantization_config
     from common.models.quant.gguf import find_gguf, open_checkpoint
+    from common.models.quant.gptq import GptqAwqConfig
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(
@@ -95,11 +112,33 @@ def resolve_weight_format(
     if kernel not in QUANT_KERNELS:
         raise ValueError(f"quantized kernel must be one of {', '.join(QUANT_KERNELS)}")
     gguf_file = find_gguf(model)
+    declared = quantization_config(model)  # config.json's, read once
+    method = None if declared is None else str(declared.get("quant_method", "")).lower()
+    if declared is not None and method not in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"{model}: its config.json's quantization_config names quant_method "
+            f"{declared.get('quant_method')!r}, which pdserve does not read (it reads "
+            "compressed-tensors, gptq and awq checkpoints, and GGUF files)"
+        )
     name = quantization
     if name == "auto":
-        name = "gguf" if gguf_file is not None and device_type == "cpu" else "none"
+        name = "none"
+        if device_type == "cpu" and method is not None:
+            name = method
+        elif device_type == "cpu" and gguf_file is not None:
+            name = "gguf"
     if name == "none":
         return WeightFormat("none")
+    if name in CHECKPOINT_METHODS:
+        if method != name or declared is None:
+            raise ValueError(
+                f"--quantization {name} needs a checkpoint whose config.json has a {name} "
+                f"quantization_config (quant_method {name}): {model} has {method or 'none'}"
+            )
+        config = CtConfig.of(declared) if name == "compressed-tensors" else GptqAwqConfig.of(declared)
+        return WeightFormat(
+            name, file_type=config.describe(), kernel=_resolve_kernel(kernel), act_bits=16
+        )
     if name == "gguf" and gguf_file is None:
         raise ValueError(
             f"--quantization gguf needs a .gguf file: {model} is not one and holds none"

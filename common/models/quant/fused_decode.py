@@ -25,27 +25,56 @@ import torch
 
 from common.engine.attention.base import LayerKV
 from common.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from common.models.quant.fp8 import Fp8Weight
+from common.models.quant.half import HalfWeight
 from common.models.quant.linear import PackedMatmul, QuantLinear
 from common.models.quant.weights import Q4Weight
-from kernels.cpu.kquant import KQx16
+from kernels.cpu.kquant import KQx16, kq_layout
 
 log = logging.getLogger(__name__)
 
+# Fp8Weight.activations -> decode_model.cpp's Fp8Parts.activations
+_FP8_ACTIVATIONS = {"none": 0, "token": 1, "tensor": 2}
+
 
 def _projection(ops: Any, layer: object, act_bits: list[int]) -> Any | None:
-    """The C++ projection of a QuantLinear with one part on the C++ kernel, else None."""
-    if not isinstance(layer, QuantLinear) or len(layer.parts) != 1:
+    """The C++ projection of a QuantLinear whose parts all run on the C++ kernels (several
+    parts, as a K-quant file's q / k / v of different types, are joined), else None."""
+    if not isinstance(layer, QuantLinear):
         return None
-    part: PackedMatmul = layer.parts[0]
+    if len(layer.parts) == 1:
+        return _part(ops, layer.parts[0], act_bits, layer.bias)
+    parts = [_part(ops, part, act_bits) for part in layer.parts]
+    if any(p is None for p in parts):
+        return None
+    return ops.joined_projection(parts, layer.bias)
+
+
+def _part(ops: Any, part: PackedMatmul, act_bits: list[int], bias: Any = None) -> Any | None:
     weight = part.weight
-    if part.kernel != "cpp" or weight is None or isinstance(weight, KQx16):
-        return None  # K-quants: the Python path (their fused projection is not written yet)
+    if part.kernel != "cpp" or weight is None or isinstance(weight, HalfWeight):
+        return None  # a half-precision weight is a head, never a layer's
+    if isinstance(weight, Fp8Weight):
+        act_bits.append(16)  # the FP8 kernel multiplies float32: no activation codes
+        return ops.fp8_projection(
+            weight.packed, weight.kernel_scale, _FP8_ACTIVATIONS[weight.activations],
+            weight.input_scale, weight.shape[0], bias,
+        )  # fmt: skip
+    if isinstance(weight, KQx16):
+        act_bits.append(16)  # the KQx16 kernel's own activation codes (int16, or int8 tokens)
+        _, widths, group, block = kq_layout(weight.type_name)
+        hi = weight.planes[1] if len(weight.planes) > 1 else None
+        return ops.kq_projection(
+            weight.planes[0], hi, widths[0], widths[1] if hi is not None else 0, weight.bias,
+            group, block, weight.d, weight.sc, weight.dmin, weight.m, weight.sign,
+            weight.shape[0], weight.int8_tokens, weight.perm, bias,
+        )  # fmt: skip
     act_bits.append(part.act_bits)
     q4 = isinstance(weight, Q4Weight)
     return ops.projection(
         q4, weight.layout == "x16", weight.qweight, weight.scales,
         weight.mins if isinstance(weight, Q4Weight) else None, weight.group_size,
-        weight.shape[0], layer.bias,
+        weight.shape[0], bias,
     )  # fmt: skip
 
 
@@ -76,7 +105,7 @@ class FusedDecoder:
                 for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ]
             if any(p is None for p in projections):
-                log.info("decode steps take the Python path: a projection is not one C++ part")
+                log.info("decode steps take the Python path: a projection is not on the C++ kernels")
                 return None
             layers.append((layer, projections))
         if len(set(act_bits)) != 1:

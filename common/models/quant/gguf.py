@@ -59,6 +59,20 @@ _LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture-of-experts layers (qwen2moe, qwen3moe, and llama's Mixtral): the router, the
+    # shared expert and its gate. The experts themselves are 3-D tensors (_EXPERT_PARTS).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# One tensor [E, N, K] holds a projection of every expert; it is read expert by expert, under
+# the Hugging Face name of each expert's own weight.
+_EXPERT_PARTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _IGNORED = ("rope_freqs.weight",)  # llama3 rope factors: computed from the config instead
 
@@ -97,10 +111,12 @@ def hf_name(name: str) -> str | None:
     if match and match.group(2) in _LAYER_PARTS:
         layer, part, param = match.groups()
         return f"model.layers.{layer}.{_LAYER_PARTS[part]}.{param}"
+    if match and match.group(2) in _EXPERT_PARTS and match.group(3) == "weight":
+        layer, part, _ = match.groups()
+        return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_PARTS[part]}.weight"
     raise GgufError(
-        f"GGUF tensor {name!r} has no counterpart here (the llama family's dense tensors "
-        "are supported; MoE GGUF files are not yet: serve their safetensors checkpoint with "
-        "--quantization int4 or int8)"
+        f"GGUF tensor {name!r} has no counterpart here (the llama, mistral, qwen2, qwen3 and "
+        "their mixture-of-experts tensors are served)"
     )
 
 
@@ -158,31 +174,53 @@ class GgufCheckpoint:
             if name is None:
                 continue
             type_name = t.tensor_type.name
-            if type_name in KQUANT_TYPES:
-                yield GgufTensor(name, type_name, self._read_kquant(t, name, type_name))
+            shape = [int(n) for n in reversed(t.shape.tolist())]
+            if "{}" in name:  # the experts' 3-D tensor: one 2-D weight per expert
+                if len(shape) != 3:
+                    raise GgufError(f"{self.path.name}: tensor {t.name!r} has shape {shape}; "
+                                    "expert tensors are [experts, rows, columns]")  # fmt: skip
+                data = np.asarray(t.data).reshape(shape[0], shape[1], -1)
+                for e in range(shape[0]):
+                    yield self._tensor(t.name, name.format(e), type_name, data[e], shape[1:])
                 continue
-            value = self._read(t, type_name)
-            order = self._row_order(name, value.shape[0])
-            if order is not None:
-                value = value[order]
-            yield GgufTensor(name, type_name, value)
+            if len(shape) > 2:
+                raise GgufError(f"{self.path.name}: tensor {t.name!r} has shape {shape}; "
+                                "only experts' tensors have three dimensions")  # fmt: skip
+            yield self._tensor(t.name, name, type_name, np.asarray(t.data), shape)
 
-    def _read_kquant(self, tensor: object, name: str, type_name: str) -> KQx16:
+    def _tensor(
+        self, gguf_name: str, name: str, type_name: str, data: np.ndarray, shape: list[int]
+    ) -> GgufTensor:
+        """One tensor (or one expert's slice of a 3-D one) as the engine holds it."""
+        if type_name in KQUANT_TYPES:
+            return GgufTensor(
+                name, type_name, self._read_kquant(gguf_name, data, shape, name, type_name)
+            )
+        value = self._read(gguf_name, data, shape, type_name)
+        if name.endswith("shared_expert_gate.weight") and isinstance(value, torch.Tensor):
+            value = value.reshape(1, -1)  # [H] in the file, [1, H] in the model
+        order = self._row_order(name, value.shape[0])
+        if order is not None:
+            value = value[order]
+        return GgufTensor(name, type_name, value)
+
+    def _read_kquant(
+        self, gguf_name: str, data: np.ndarray, shape: list[int], name: str, type_name: str
+    ) -> KQx16:
         """A K-quant (or Q5_0 / Q5_1) tensor packed for the KQx16 kernel, rows permuted
         back first (packing interleaves rows in sixteens)."""
-        from common.models.quant.linear import x16_available
+        from kernels.cpu.kquant import kq_available
 
-        shape = [int(n) for n in reversed(tensor.shape.tolist())]  # type: ignore[attr-defined]
-        where = f"{self.path.name}: tensor {tensor.name!r} is {type_name}"  # type: ignore[attr-defined]
+        where = f"{self.path.name}: tensor {gguf_name!r} is {type_name}"
         if len(shape) != 2:
             raise GgufError(f"{where} of {len(shape)} dimensions; only 2-D ones are served")
         rows, k = shape
-        if rows % 16 or not x16_available():
+        if rows % 16 or not kq_available():
             raise GgufError(
-                f"{where}; its kernel needs AVX-512 VNNI and rows in sixteens ({rows} rows); "
-                "the AVX2 path is not written yet (--quantization none reads it as float)"
+                f"{where}; its kernel needs rows in sixteens ({rows} rows) and AVX2 or "
+                "AVX-512 VNNI (--quantization none reads it as float)"
             )
-        raw = np.asarray(tensor.data).reshape(rows, -1)  # type: ignore[attr-defined]
+        raw = data.reshape(rows, -1)
         order = self._row_order(name, rows)
         if order is not None:
             raw = raw[order.numpy()]
@@ -200,9 +238,9 @@ class GgufCheckpoint:
             return _rotary_row_order(num_rows, self.num_kv_heads or self.num_heads)
         return None
 
-    def _read(self, tensor: object, type_name: str) -> QuantWeight | torch.Tensor:
-        data = np.asarray(tensor.data)  # type: ignore[attr-defined]
-        shape = [int(n) for n in reversed(tensor.shape.tolist())]  # type: ignore[attr-defined]
+    def _read(
+        self, gguf_name: str, data: np.ndarray, shape: list[int], type_name: str
+    ) -> QuantWeight | torch.Tensor:
         if type_name in FLOAT_TYPES:
             if type_name == "BF16":
                 words = torch.from_numpy(data.view(np.int16).copy())
@@ -210,7 +248,7 @@ class GgufCheckpoint:
             return torch.from_numpy(data.astype(np.float32)).reshape(shape)
         if type_name not in QUANTIZED_TYPES:
             raise GgufError(
-                f"{self.path.name}: tensor {tensor.name!r} is {type_name}; tensors are "  # type: ignore[attr-defined]
+                f"{self.path.name}: tensor {gguf_name!r} is {type_name}; tensors are "
                 f"served as stored in {', '.join(QUANTIZED_TYPES + tuple(KQUANT_TYPES) + FLOAT_TYPES)} only "
                 "(convert the file with llama-quantize, or pass --quantization none)"
             )
@@ -228,7 +266,7 @@ class GgufCheckpoint:
             m32 = d.float() * -8
             if bool((m32.abs() > 65504).any()):
                 raise GgufError(
-                    f"{self.path.name}: tensor {tensor.name!r} has Q4_0 scales above 8188, "  # type: ignore[attr-defined]
+                    f"{self.path.name}: tensor {gguf_name!r} has Q4_0 scales above 8188, "
                     "whose -8 * scale does not fit float16 (--quantization none reads it)"
                 )
             m = m32.to(torch.float16)

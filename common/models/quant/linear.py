@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.models.quant.fp8 import Fp8Weight
+from common.models.quant.half import HalfWeight
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import quant as cpu_quant
 from kernels.cpu.kquant import KQx16, kq_x16_matmul
@@ -56,6 +58,8 @@ class QuantCompute:
             raise ValueError(f"unknown quantized kernel {self.kernel!r}; choose one of {KERNELS}")
         if self.act_bits not in (8, 16):
             raise ValueError(f"activation bits must be 8 or 16, got {self.act_bits}")
+
+
 # At or above this many rows, dequantize-and-GEMM beats the packed kernel (about 48-64 on a
 # 2-core AVX2 machine for SmolLM2's shapes; loadtest/bench_quant.py prints the crossover).
 DENSE_MIN_ROWS = 48
@@ -153,6 +157,8 @@ def _dense_in_chunks(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 def _dequantize_rows(weight: QuantWeight, start: int, end: int) -> torch.Tensor:
     if isinstance(weight, KQx16):  # x16 weights take the packed kernel: not reached in a step
         return weight.dequantize()[start:end]
+    if isinstance(weight, Fp8Weight | HalfWeight):
+        return weight.rows(start, end)
     if isinstance(weight, Q4Weight) and cpu_quant_available():
         return cpu_quant.q4_dequantize(
             weight.qweight, weight.scales, weight.mins, weight.group_size, start, end
@@ -209,7 +215,7 @@ class PackedMatmul:
             raise ValueError(
                 f"{weight.type_name} weights run on the C++ kernels only (--quant-kernel cpp)"
             )
-        if self.kernel == "cpp" and weight.shape[1] % 32:
+        if self.kernel == "cpp" and weight.shape[1] % 32 and not isinstance(weight, Fp8Weight):
             raise ValueError(
                 f"the C++ kernels need input features in multiples of 32; this layer has "
                 f"{weight.shape[1]} (use --quant-kernel torch, or --quantization none)"
@@ -232,6 +238,12 @@ class PackedMatmul:
             return self._torch_q4(x)
         w = self.weight
         assert w is not None, "a PackedMatmul keeps its weight unless torch's Q4 layout has it"
+        if isinstance(w, Fp8Weight):  # x quantized as the checkpoint says (fp8.py)
+            x = w.quantize_input(x)
+        if isinstance(w, Fp8Weight | HalfWeight) and (
+            self.kernel == "torch" or not cpu_quant_available()
+        ):
+            return _dense_in_chunks(x, w)
         if self.kernel == "torch":
             assert isinstance(w, Q8Weight), type(w)
             if w.group_size == w.shape[1]:
@@ -259,15 +271,17 @@ class PackedMatmul:
     def _packed(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if isinstance(w, KQx16):
             return kq_x16_matmul(x, w)
+        if isinstance(w, Fp8Weight):  # its input already quantized (__call__)
+            return cpu_quant.fp8_x16_matmul(x, w.packed, w.kernel_scale, w.n)
+        if isinstance(w, HalfWeight):
+            return cpu_quant.half_x16_matmul(x, w.packed, w.n)
         if w.layout == "x16":
             n = w.shape[0]
             if isinstance(w, Q4Weight):
                 return cpu_quant.q4x16_matmul(x, w.qweight, w.scales, w.mins, w.group_size, n)
             return cpu_quant.q8x16_matmul(x, w.qweight, w.scales, w.group_size, n)
         if isinstance(w, Q4Weight):
-            return cpu_quant.q4_matmul(
-                x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits
-            )
+            return cpu_quant.q4_matmul(x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits)
         assert isinstance(w, Q8Weight), type(w)
         return cpu_quant.q8_matmul(x, w.qweight, w.scales, w.group_size, self.act_bits)
 
@@ -331,24 +345,64 @@ class QuantEmbedding(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    """E SwiGLU experts over quantized ``gate_up [E, 2I, H]`` and ``down [E, H, I]``
-    weights; the interface of common/models/moe.py's ``Experts`` for the loop path."""
+    """E SwiGLU experts over quantized weights, the interface of common/models/moe.py's
+    ``Experts`` for the loop path. Built from ``gate_up [E, 2I, H]`` and ``down [E, H, I]``
+    (a quantized float model), or by ``of_parts`` from each expert's own weights as a
+    checkpoint stores them (gate and up fused where their layouts allow, else two parts)."""
 
     def __init__(self, gate_up: QuantWeight, down: QuantWeight, compute: QuantCompute) -> None:
+        num_experts = gate_up.qweight.shape[0]
+        self._build(
+            [[gate_up[e]] for e in range(num_experts)], [[down[e]] for e in range(num_experts)],
+            compute,
+        )  # fmt: skip
+
+    @classmethod
+    def of_parts(
+        cls,
+        gate_up: list[list[QuantWeight]],
+        down: list[list[QuantWeight]],
+        compute: QuantCompute,
+    ) -> QuantExperts:
+        """Expert e's gate_up rows are the parts ``gate_up[e]`` in order (gate rows, then
+        up), its down rows ``down[e]``."""
+        experts = cls.__new__(cls)
+        experts._build(gate_up, down, compute)
+        return experts
+
+    def _build(
+        self, gate_up: list[list[QuantWeight]], down: list[list[QuantWeight]], compute: QuantCompute
+    ) -> None:
         super().__init__()
-        self.num_experts = gate_up.qweight.shape[0]
-        self.intermediate = gate_up.shape[0] // 2
-        self.gate_up = [PackedMatmul(gate_up[e], compute) for e in range(self.num_experts)]
-        self.down = [PackedMatmul(down[e], compute) for e in range(self.num_experts)]
-        self.format = self.gate_up[0].description
+        assert gate_up and len(gate_up) == len(down), "one gate_up and one down per expert"
+        self.num_experts = len(gate_up)
+        self.intermediate = sum(p.shape[0] for p in gate_up[0]) // 2
+        self.gate_up_parts = [[PackedMatmul(p, compute) for p in parts] for parts in gate_up]
+        self.down_parts = [[PackedMatmul(p, compute) for p in parts] for parts in down]
+        self.format = "+".join(sorted({m.description for m in self.matmuls}))
+
+    @property
+    def matmuls(self) -> list[PackedMatmul]:
+        """Every packed matmul of every expert."""
+        return [m for parts in self.gate_up_parts + self.down_parts for m in parts]
+
+    @staticmethod
+    def _run(parts: list[PackedMatmul], x: torch.Tensor) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0](x)
+        return torch.cat([part(x) for part in parts], dim=-1)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up[e](x.float().contiguous())  # [n, 2I]
+        gate_up = self._run(self.gate_up_parts[e], x.float().contiguous())  # [n, 2I]
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.down[e]((F.silu(gate) * up).contiguous())
+        return self._run(self.down_parts[e], (F.silu(gate) * up).contiguous())
 
 
 def _describe(weight: QuantWeight) -> str:
+    if isinstance(weight, Fp8Weight):
+        return f"fp8/{weight.activations}"
+    if isinstance(weight, HalfWeight):
+        return weight.kind
     if isinstance(weight, Q8Weight) and weight.group_size == weight.shape[1]:
         return "q8/row"
     return f"{weight.kind}/g{weight.group_size}"

@@ -16,11 +16,15 @@ from torch import nn
 from common.models.layers import ShardedLinear
 from common.models.llama import LlamaForCausalLM
 from common.models.moe import Experts
+from common.models.quant.compressed import CtCheckpoint
 from common.models.quant.formats import WeightFormat
+from common.models.quant.fp8 import Fp8Weight
 from common.models.quant.gguf import GgufCheckpoint
+from common.models.quant.gptq import GptqAwqCheckpoint
+from common.models.quant.half import HALF_DTYPES, HalfWeight
 from common.models.quant.linear import QuantCompute, QuantEmbedding, QuantExperts, QuantLinear
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
-from kernels.cpu.kquant import KQx16
+from kernels.cpu.kquant import KQx16, same_columns
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +66,15 @@ def quantize_model(model: LlamaForCausalLM, fmt: WeightFormat) -> None:
         model.embed_tokens = QuantEmbedding(_table_of(model.lm_head, head))  # type: ignore[assignment]
 
 
+# What load_gguf_layers reads: a file or directory whose tensors() yields (name, value) by
+# Hugging Face name, the value a packed weight or a float tensor.
+PackedCheckpoint = GgufCheckpoint | CtCheckpoint | GptqAwqCheckpoint
+
+
 def load_gguf_layers(
-    model: LlamaForCausalLM, checkpoint: GgufCheckpoint, compute: QuantCompute
+    model: LlamaForCausalLM, checkpoint: PackedCheckpoint, compute: QuantCompute
 ) -> list[tuple[str, torch.Tensor]]:
-    """Puts the file's quantized tensors into ``model`` as quantized layers (the model may
+    """Puts the file's (or a compressed-tensors checkpoint's) quantized tensors into ``model`` as quantized layers (the model may
     still be on the meta device: nothing float is allocated for them) and returns the float
     tensors, by Hugging Face name, for ``model.load_weights``."""
     floats: list[tuple[str, torch.Tensor]] = []
@@ -73,12 +82,22 @@ def load_gguf_layers(
     biases: dict[str, dict[str | None, torch.Tensor]] = {}
     embed: QuantWeight | None = None
     head: QuantWeight | None = None
+    # A checkpoint's (not a GGUF file's) bfloat16 / float16 head stays at 2 bytes a weight.
+    half_head = not isinstance(checkpoint, GgufCheckpoint)
     for tensor in checkpoint.tensors():
-        if tensor.name == _EMBED and not isinstance(tensor.value, torch.Tensor):
-            embed = tensor.value
+        value = tensor.value
+        if (
+            half_head
+            and isinstance(value, torch.Tensor)
+            and value.dtype in HALF_DTYPES
+            and (tensor.name == _HEAD or (tensor.name == _EMBED and model.spec.tie_word_embeddings))
+        ):
+            value = HalfWeight.of(value)
+        if tensor.name == _EMBED and not isinstance(value, torch.Tensor):
+            embed = value
             continue
-        if tensor.name == _HEAD and not isinstance(tensor.value, torch.Tensor):
-            head = tensor.value
+        if tensor.name == _HEAD and not isinstance(value, torch.Tensor):
+            head = value
             continue
         target = model._target(tensor.name)
         if target is None:
@@ -94,6 +113,9 @@ def load_gguf_layers(
         quantized.setdefault(module_path, {})[shard] = tensor.value
     for module_path, shards in quantized.items():
         module = model.get_submodule(module_path)
+        if isinstance(module, Experts):
+            _replace(model, module_path, _experts(checkpoint, module_path, module, shards, compute))
+            continue
         if not isinstance(module, nn.Linear) or module_path.rpartition(".")[2] not in _PROJECTIONS:
             raise ValueError(f"{checkpoint.path.name}: {module_path} cannot be quantized here")
         order: list[str | None] = (
@@ -123,6 +145,38 @@ def load_gguf_layers(
     return floats
 
 
+def _experts(
+    checkpoint: PackedCheckpoint,
+    module_path: str,
+    module: Experts,
+    shards: dict[str | None, QuantWeight],
+    compute: QuantCompute,
+) -> QuantExperts:
+    """The quantized experts of one MoE layer from each expert's gate, up and down weights
+    (every one of them quantized: a layer whose experts are partly float is refused)."""
+    missing = [s for s in module.expected_shards("gate_up_proj") + module.expected_shards("down_proj")
+               if s not in shards]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{checkpoint.path.name}: {module_path} lacks quantized weights for {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} (its experts must all be quantized, or none)"
+        )
+    size, hidden = module.intermediate, module.gate_up_proj.shape[2]
+    gate_up, down = [], []
+    for e in range(module.num_experts):
+        gate, up, out = shards[f"gate:{e}"], shards[f"up:{e}"], shards[f"down:{e}"]
+        for what, weight, shape in (("gate", gate, (size, hidden)), ("up", up, (size, hidden)),
+                                    ("down", out, (hidden, size))):  # fmt: skip
+            if tuple(weight.shape) != shape:
+                raise ValueError(
+                    f"{checkpoint.path.name}: {module_path}.{e}.{what} has shape "
+                    f"{tuple(weight.shape)}; the config says {shape}"
+                )
+        gate_up.append(_fuse([gate, up]))
+        down.append([out])
+    return QuantExperts.of_parts(gate_up, down, compute)
+
+
 def _table_of(head: nn.Module, table: QuantWeight) -> QuantWeight:
     """A tied table as the head holds it (in its kernel's layout), so it is held once."""
     assert isinstance(head, QuantLinear), type(head)
@@ -135,7 +189,7 @@ def _module_of(model: LlamaForCausalLM, name: str) -> str | None:
     return None if target is None else target[0]
 
 
-def dequantized_tensors(checkpoint: GgufCheckpoint) -> Iterable[tuple[str, torch.Tensor]]:
+def dequantized_tensors(checkpoint: PackedCheckpoint) -> Iterable[tuple[str, torch.Tensor]]:
     """Every tensor of the file as float32, by Hugging Face name (``--quantization none``)."""
     for tensor in checkpoint.tensors():
         value = tensor.value
@@ -147,9 +201,17 @@ def _fuse(parts: list[QuantWeight]) -> list[QuantWeight]:
     kinds = {(type(p), p.group_size) for p in parts}
     if len(parts) == 1 or len(kinds) > 1:
         return parts
-    if isinstance(parts[0], KQx16):
-        same = [p for p in parts if isinstance(p, KQx16) and p.type_name == parts[0].type_name]
+    first = parts[0]
+    if isinstance(first, KQx16):
+        same = [
+            p for p in parts
+            if isinstance(p, KQx16) and p.type_name == first.type_name
+            and p.int8_tokens == first.int8_tokens and same_columns(first, p)
+        ]  # fmt: skip
         return [KQx16.cat(same)] if len(same) == len(parts) else parts
+    if isinstance(first, Fp8Weight):
+        fp8 = [p for p in parts if isinstance(p, Fp8Weight) and first.fusable_with(p)]
+        return [Fp8Weight.cat(fp8)] if len(fp8) == len(parts) else parts
     if isinstance(parts[0], Q4Weight):
         return [Q4Weight.cat([p for p in parts if isinstance(p, Q4Weight)])]
     return [Q8Weight.cat([p for p in parts if isinstance(p, Q8Weight)])]
@@ -163,7 +225,7 @@ def matmul_layouts(model: nn.Module) -> dict[str, int]:
         if isinstance(module, QuantLinear):
             matmuls = module.parts
         elif isinstance(module, QuantExperts):
-            matmuls = module.gate_up + module.down
+            matmuls = module.matmuls
         for matmul in matmuls:
             layout = "torch" if matmul.weight is None else matmul.weight.layout
             counts[layout] = counts.get(layout, 0) + 1
@@ -182,7 +244,7 @@ def weight_bytes(model: nn.Module) -> int:
             if module.bias is not None:
                 held[id(module.bias)] = (module.bias, module.bias.numel() * 4)
         elif isinstance(module, QuantExperts):
-            matmuls = module.gate_up + module.down
+            matmuls = module.matmuls
         elif isinstance(module, QuantEmbedding):
             held[id(module.table.qweight)] = (module.table.qweight, module.table.num_bytes)
         for matmul in matmuls:

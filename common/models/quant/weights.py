@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.models.quant.fp8 import Fp8Weight
+from common.models.quant.half import HalfWeight
 from kernels.cpu.kquant import KQx16
 from kernels.cpu.quant import (
     SUB_BLOCK,
@@ -218,4 +220,7 @@ class Q8Weight:
         return Q8Weight(codes.contiguous(), scales.contiguous(), k)
 
 
-QuantWeight = Q4Weight | Q8Weight | KQx16  # KQx16: GGUF's K-quants (kernels/cpu/kquant.py)
+# KQx16: GGUF's K-quants and checkpoints' integer codes (kernels/cpu/kquant.py); Fp8Weight:
+# FP8 E4M3 (common/models/quant/fp8.py).
+# HalfWeight: a checkpoint's bfloat16 / float16 head (common/models/quant/half.py).
+QuantWeight = Q4Weight | Q8Weight | KQx16 | Fp8Weight | HalfWeight

@@ -6,7 +6,11 @@ and cut into consecutive windows of ``--context`` tokens (the last one may be sh
 Every token of a window after its first is scored from the tokens before it in the same
 window; perplexity = exp(mean NLL) over all scored tokens. With ``--reference FORMAT`` a
 second engine in that format scores the same windows, and the mean KL(reference || tested)
-over the scored positions and the top-1 agreement (both argmaxes equal) are printed too.
+over the scored positions and the top-1 agreement (both argmaxes equal) are printed too;
+``--reference-model PATH`` loads the reference from another checkpoint (a quantized file
+against the float model it was made from). ``--windows llama.cpp`` scores as
+``llama-perplexity -c CONTEXT`` does (whole windows, BOS first when the tokenizer adds one,
+the second half of each window scored), so the two figures compare on the same file.
 
 In process by default: each window is one request of the engine's own prefill
 (``LLM.score``: full log-softmax rows), one window at a time, so memory stays at two
@@ -67,6 +71,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tested) and top-1 agreement; in process only",
     )
     parser.add_argument(
+        "--reference-model",
+        default=None,
+        help="the reference engine loads this checkpoint (e.g. the float model a quantized "
+        "file was made from) in --reference's format (default auto); its tokenizer must "
+        "tokenize FILE as the tested model's does",
+    )
+    parser.add_argument(
+        "--windows",
+        choices=WINDOW_MODES,
+        default="all",
+        help="all: every window (the last may be shorter), every token after its first "
+        "scored; llama.cpp: as llama-perplexity scores, full windows only, each starting "
+        "with BOS when the tokenizer adds one, only the second half of each scored",
+    )
+    parser.add_argument(
         "--context",
         type=int,
         default=None,
@@ -101,11 +120,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+WINDOW_MODES = ("all", "llama.cpp")
+
+
 def windows(token_ids: list[int], context: int) -> list[list[int]]:
     """Consecutive windows of ``context`` tokens; a last one shorter than 2 is dropped (it
     scores nothing)."""
     cut = [token_ids[i : i + context] for i in range(0, len(token_ids), context)]
     return [w for w in cut if len(w) >= 2]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """What is scored: ``parts[i]`` is fed to the model and its tokens from ``skip + 1`` on
+    are scored; ``starts[i]`` is where it begins in the text's tokens."""
+
+    parts: list[list[int]]
+    starts: list[int]
+    skip: int  # scored rows start here: row r of a window scores its token r + 1
+
+
+def make_windows(token_ids: list[int], context: int, mode: str, bos: int | None) -> Windows:
+    """``all``: ``windows``. ``llama.cpp``: llama-perplexity's chunks: the text tokenized
+    with BOS in front when the tokenizer adds one (``bos``), cut into whole windows of
+    ``context`` (a shorter rest is dropped), each window's first token replaced by BOS (when
+    there is one), and only rows from ``context // 2`` on scored: ``context - 1 -
+    context // 2`` tokens a window, each with at least half a window before it."""
+    if mode == "all":
+        parts = windows(token_ids, context)
+        return Windows(parts, [i * context for i in range(len(parts))], 0)
+    ids = ([bos] if bos is not None else []) + token_ids
+    count = len(ids) // context
+    parts = []
+    for i in range(count):
+        window = ids[i * context : (i + 1) * context]
+        if bos is not None:
+            window = [bos, *window[1:]]
+        parts.append(window)
+    return Windows(parts, [i * context for i in range(count)], context // 2)
 
 
 @dataclass
@@ -120,13 +172,22 @@ class Scores:
     kl_max: float = 0.0
     num_top1_same: int = 0
 
-    def add(self, rows: torch.Tensor, window: list[int], reference: torch.Tensor | None) -> None:
-        """rows, reference: [T-1, V] log-softmax, row i scoring window[i + 1]."""
+    def add(
+        self,
+        rows: torch.Tensor,
+        window: list[int],
+        reference: torch.Tensor | None,
+        skip: int = 0,
+    ) -> None:
+        """rows, reference: [T-1, V] log-softmax, row i scoring window[i + 1]; the rows
+        before ``skip`` are not scored."""
         import torch
 
-        targets = torch.tensor(window[1:], dtype=torch.long).unsqueeze(1)  # [T-1, 1]
-        own = rows.gather(1, targets).squeeze(1)  # [T-1]
-        self.num_scored += len(window) - 1
+        rows = rows[skip:]
+        reference = reference[skip:] if reference is not None else None
+        targets = torch.tensor(window[skip + 1 :], dtype=torch.long).unsqueeze(1)  # [S, 1]
+        own = rows.gather(1, targets).squeeze(1)  # [S]
+        self.num_scored += len(window) - 1 - skip
         self.nll -= float(own.sum(dtype=torch.float64))
         self.token_nll.extend((-own).tolist())
         if reference is None:
@@ -178,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be >= 2, got {args.context}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    if args.target and args.reference:
+    if args.target and args.windows != "all":
+        raise ValueError("--windows llama.cpp scores in process only (without --target)")
+    if args.target and (args.reference or args.reference_model):
         raise ValueError(
             "--reference needs both formats' full distributions: run it in process "
             "(without --target); through a gateway only the perplexity is measured"
@@ -251,6 +314,7 @@ def _llm(
 
 def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[str, Any]:
     from common.contract.model_spec import load_spec
+    from common.models.default_model import resolve_model
     from common.text.tokenizer import Tokenizer
 
     spec = load_spec(model_dir)
@@ -260,33 +324,56 @@ def _score_local(args: argparse.Namespace, model_dir: str, text: str) -> dict[st
     max_len = min(args.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     context = _context(args.context, max_len)
     tested = _llm(args, model_dir, tokenizer, None, context)
-    reference = None
-    if args.reference:
-        reference = _llm(args, model_dir, tokenizer, args.reference, context)
     token_ids = _tokenize(tokenizer, text, args.max_tokens)
-    parts = windows(token_ids, context)
+    reference = None
+    reference_dir = model_dir
+    if args.reference_model:
+        reference_dir = resolve_model(args.reference_model)
+        reference_tokenizer = Tokenizer(reference_dir)
+        if _tokenize(reference_tokenizer, text, args.max_tokens) != token_ids:
+            raise ValueError(
+                f"the tokenizer of {args.reference_model} tokenizes {args.file} differently "
+                f"from that of {args.model}: their distributions cannot be compared"
+            )
+        reference = _llm(args, reference_dir, reference_tokenizer, args.reference or "auto", context)
+    elif args.reference:
+        reference = _llm(args, model_dir, tokenizer, args.reference, context)
+    bos = tokenizer.hf.bos_token_id if _adds_bos(tokenizer) else None
+    cut = make_windows(token_ids, context, args.windows, bos)
+    parts = cut.parts
     if not parts:
-        raise ValueError(f"{args.file} has {len(token_ids)} tokens; at least 2 are needed")
+        needed = context if args.windows == "llama.cpp" else 2
+        raise ValueError(f"{args.file} has {len(token_ids)} tokens; at least {needed} are needed")
     scores = Scores()
     positions: list[int] = []
-    for i, window in enumerate(parts):
-        positions.extend(range(i * context + 1, i * context + len(window)))
+    for start, window in zip(cut.starts, parts, strict=True):
+        positions.extend(range(start + cut.skip + 1, start + len(window)))
         rows = tested.score(window)
         ref_rows = reference.score(window) if reference is not None else None
-        scores.add(rows, window, ref_rows)
+        scores.add(rows, window, ref_rows, cut.skip)
         del rows, ref_rows
     report: dict[str, Any] = {
         "model": model_dir,
         "weights": tested.engine.runner.weight_format.describe(),
         "context": context,
+        "windows": args.windows,
         "num_windows": len(parts),
         "num_tokens": len(token_ids),
     }
     if reference is not None:
         report["reference_weights"] = reference.engine.runner.weight_format.describe()
+        report["reference_model"] = reference_dir
     report.update(scores.report(reference is not None))
     report["buckets"] = scores.buckets(positions, args.bucket_tokens)
     return report
+
+
+def _adds_bos(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer puts BOS in front of a text (llama.cpp's ``add_bos``)."""
+    hf = tokenizer.hf
+    if hf.bos_token_id is None:
+        return False
+    return bool(hf("a").input_ids[:1] == [hf.bos_token_id])
 
 
 def _score_stream(
@@ -296,8 +383,10 @@ def _score_stream(
     the sinks and the window before it, however long the text."""
     from common.engine.llm import LLM
 
-    if args.reference or args.context:
-        raise ValueError("--kv-eviction streaming scores one stream: no --context, --reference")
+    if args.reference or args.reference_model or args.context or args.windows != "all":
+        raise ValueError(
+            "--kv-eviction streaming scores one stream: no --context, --reference, --windows"
+        )
     config = engine_config_from_args(args, model_dir)
     eviction = config.eviction
     assert eviction is not None

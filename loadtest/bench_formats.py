@@ -1,0 +1,168 @@
+"""Decode speed of one model in several weight formats, same run: the float checkpoint
+(``--quantization none``) as the baseline, then each quantized checkpoint given, and where
+a GGUF file is given and llama.cpp's ``llama-bench`` is built, llama.cpp on the same file.
+
+For each: weight bytes as held, single-stream decode tokens/s (a 32-token prompt, then
+``--tokens`` greedy tokens, one sequence; the time from its first token to its last), and
+16-stream decode tokens/s (16 such sequences at once, all tokens after each sequence's
+first over the wall time from the last prefill). llama-bench's ``tg`` figure is its
+single-stream decode (``-p 0 -n TOKENS``, same thread count).
+
+    .venv/bin/python loadtest/bench_formats.py --float ~/.cache/pdserve/models/SmolLM2-135M-Instruct \\
+        --format w4a16=~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct-bf16-w4a16-g64 \\
+        --format Q4_K_M=path/to/file.gguf [--llama-bench ~/.cache/pdserve/llama.cpp/bin/llama-bench]
+
+Run it on a quiet machine; it prints a table and, with ``--json``, the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.contract.sampling import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.models.default_model import resolve_model
+from common.models.quant.load import weight_bytes
+
+PROMPT = 32
+STREAMS = 16
+
+
+def run(engine: Engine, streams: int, tokens: int, seed: int) -> float:
+    """Decode tokens/s of ``streams`` sequences of ``tokens`` each: the tokens of the steps
+    after every sequence has its first token, over those steps' time."""
+    rng = torch.Generator().manual_seed(seed)
+    vocab = engine.runner.model.spec.vocab_size
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for i in range(streams):
+        prompt = torch.randint(100, vocab, (PROMPT,), generator=rng).tolist()
+        engine.add_request(f"s{seed}-{i}", prompt, params)
+    started: set[str] = set()
+    start, decoded, end = 0.0, 0, 0.0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        if len(started) == streams:
+            decoded += sum(len(out.new_token_ids) for out in outputs)
+            end = now
+        else:
+            started.update(out.request_id for out in outputs if out.new_token_ids)
+            start = now
+    return decoded / max(1e-9, end - start)
+
+
+def measure(label: str, model: str, quantization: str, tokens: int) -> dict[str, Any]:
+    config = EngineConfig(model=resolve_model(model), device="cpu", quantization=quantization,
+                          kv_cache_memory="512MiB", max_num_seqs=STREAMS)  # fmt: skip
+    start = time.perf_counter()
+    engine = Engine(config)
+    load_s = time.perf_counter() - start
+    run(engine, 1, 8, seed=99)  # warm-up
+    single = max(run(engine, 1, tokens, seed=s) for s in range(3))
+    multi = run(engine, STREAMS, tokens // 2, seed=7)
+    return {
+        "label": label, "model": model, "format": engine.runner.weight_format.describe(),
+        "weight_mb": round(weight_bytes(engine.runner.model) / 2**20, 1),
+        "load_s": round(load_s, 1), "single_tok_s": round(single, 1),
+        f"c{STREAMS}_tok_s": round(multi, 1),
+    }  # fmt: skip
+
+
+def llama_bench(binary: Path, gguf: str, tokens: int, threads: int) -> float | None:
+    # llama.cpp's OpenMP threads wait actively between its barriers; the passive policy the
+    # engine asks for (common/openmp.py) cost it 3-4x here, so it runs without it.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(
+        [str(binary), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-o", "json"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    if done.returncode:
+        print(done.stderr[-2000:])
+        return None
+    rows = json.loads(done.stdout)
+    return float(rows[0]["avg_ts"]) if rows else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--float", required=True, help="the float checkpoint (the baseline)")
+    parser.add_argument("--format", action="append", default=[], help="LABEL=PATH[@quantization]")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--llama-bench", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure every format this many times, in turn (this VM's figures move 10-20 %% "
+        "between runs); each figure is a format's best round, every round in --json",
+    )  # fmt: skip
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # one format, in a child process
+    args = parser.parse_args()
+    if args.measure:
+        label, path, quantization = json.loads(args.measure)
+        print("RESULT " + json.dumps(measure(label, path, quantization, args.tokens)))
+        return
+    specs = [("float32", args.float, "none")]
+    for spec in args.format:
+        label, _, rest = spec.partition("=")
+        path, _, quantization = os.path.expanduser(rest).partition("@")
+        specs.append((label, path, quantization or "auto"))
+    # llama.cpp first, alone; then each format in a process of its own (an engine's kernel
+    # threads must not share the cores with the next measurement).
+    tg = {
+        path: llama_bench(args.llama_bench, path, args.tokens, args.threads)
+        for _, path, _ in specs if args.llama_bench and path.endswith(".gguf")
+    }  # fmt: skip
+    rounds: list[list[dict[str, Any]]] = [[] for _ in specs]
+    for _ in range(args.rounds):
+        for (label, path, quantization), done_rounds in zip(specs, rounds, strict=True):
+            done = subprocess.run(
+                [sys.executable, __file__, "--float", args.float, "--tokens", str(args.tokens),
+                 "--measure", json.dumps([label, path, quantization])],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+            done_rounds.append(json.loads(line.removeprefix("RESULT ")))
+    rows = []
+    for (_, path, _), done_rounds in zip(specs, rounds, strict=True):
+        row = dict(done_rounds[0])
+        for key in ("single_tok_s", f"c{STREAMS}_tok_s"):
+            row[key] = max(r[key] for r in done_rounds)
+            row[f"{key}_rounds"] = [r[key] for r in done_rounds]
+        if path in tg:
+            row["llama_bench_tg"] = tg[path]
+        rows.append(row)
+    base = rows[0]
+    cpu = next(
+        (re.sub(r"\s+", " ", line.split(":", 1)[1]).strip()
+         for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        "?",
+    )  # fmt: skip
+    print(f"CPU: {cpu}, {args.threads} threads; {args.tokens} tokens per stream")
+    print(f"{'format':<12} {'MB':>7} {'1 stream':>9} {'x float':>8} {f'{STREAMS} streams':>11} "
+          f"{'x float':>8} {'llama-bench':>12}  layout")  # fmt: skip
+    for r in rows:
+        lb = r.get("llama_bench_tg")
+        print(
+            f"{r['label']:<12} {r['weight_mb']:>7} {r['single_tok_s']:>9} "
+            f"{r['single_tok_s'] / base['single_tok_s']:>8.2f} {r[f'c{STREAMS}_tok_s']:>11} "
+            f"{r[f'c{STREAMS}_tok_s'] / base[f'c{STREAMS}_tok_s']:>8.2f} "
+            f"{'' if lb is None else f'{lb:.1f}':>12}  {r['format']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
