@@ -12,6 +12,9 @@ single-stream decode (``-p 0 -n TOKENS``, same thread count).
         --format w4a16=~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct-bf16-w4a16-g64 \\
         --format Q4_K_M=path/to/file.gguf [--llama-bench ~/.cache/pdserve/llama.cpp/bin/llama-bench]
 
+A format's spec is ``LABEL=PATH[@QUANTIZATION][+a8]``: ``+a8`` runs it with 8-bit activation
+codes (``--quant-act-bits 8``).
+
 Run it on a quiet machine; it prints a table and, with ``--json``, the figures.
 """
 
@@ -63,8 +66,10 @@ def run(engine: Engine, streams: int, tokens: int, seed: int) -> float:
 
 
 def measure(label: str, model: str, quantization: str, tokens: int) -> dict[str, Any]:
+    quantization, _, act = quantization.partition("+a")
     config = EngineConfig(model=resolve_model(model), device="cpu", quantization=quantization,
-                          kv_cache_memory="512MiB", max_num_seqs=STREAMS)  # fmt: skip
+                          kv_cache_memory="512MiB", max_num_seqs=STREAMS,
+                          quant_act_bits=int(act or 16))  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
     load_s = time.perf_counter() - start
@@ -116,8 +121,9 @@ def main() -> None:
     specs = [("float32", args.float, "none")]
     for spec in args.format:
         label, _, rest = spec.partition("=")
-        path, _, quantization = os.path.expanduser(rest).partition("@")
-        specs.append((label, path, quantization or "auto"))
+        rest, _, act = os.path.expanduser(rest).partition("+a")
+        path, _, quantization = rest.partition("@")
+        specs.append((label, path, (quantization or "auto") + (f"+a{act}" if act else "")))
     # llama.cpp first, alone; then each format in a process of its own (an engine's kernel
     # threads must not share the cores with the next measurement).
     tg = {

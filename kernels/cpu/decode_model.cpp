@@ -100,13 +100,14 @@ struct Projection {
       const torch::Tensor xin = w.perm.has_value() ? x.index_select(1, *w.perm).contiguous() : x;
       out = pdserve_cpu::kq_x16_matmul(xin, w.lo, w.hi, w.lo_width, w.hi_width, w.code_bias,
                                        w.group_size, w.block_size, w.d, w.sc, w.dmin, w.m,
-                                       w.sign, num_rows, w.int8_tokens);
+                                       w.sign, num_rows, w.int8_tokens, act_bits);
     } else if (fp8.has_value()) {
       out = pdserve_cpu::fp8_x16_matmul(fp8->quantize_input(x), fp8->packed, fp8->kernel_scale,
                                         num_rows);
     } else if (x16) {
-      out = q4 ? pdserve_cpu::q4x16_matmul(x, qweight, scales, mins, group_size, num_rows)
-               : pdserve_cpu::q8x16_matmul(x, qweight, scales, group_size, num_rows);
+      out = q4 ? pdserve_cpu::q4x16_matmul(x, qweight, scales, mins, group_size, num_rows,
+                                           act_bits)
+               : pdserve_cpu::q8x16_matmul(x, qweight, scales, group_size, num_rows, act_bits);
     } else {
       out = q4 ? pdserve_cpu::q4_matmul(x, qweight, scales, mins, group_size, act_bits)
                : pdserve_cpu::q8_matmul(x, qweight, scales, group_size, act_bits);

@@ -40,11 +40,13 @@ torch::Tensor q4_dequantize(const torch::Tensor& qweight, const torch::Tensor& s
                             const torch::Tensor& mins, int64_t group_size, int64_t row_start,
                             int64_t row_end);
 bool has_avx2();
+// act_bits 16: x in int16 codes, one step per row; 8: int8 codes per 32 (x8_quantize_rows).
 torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
                            const torch::Tensor& scales, const torch::Tensor& mins,
-                           int64_t group_size, int64_t n);
+                           int64_t group_size, int64_t n, int64_t act_bits);
 torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
-                           const torch::Tensor& scales, int64_t group_size, int64_t n);
+                           const torch::Tensor& scales, int64_t group_size, int64_t n,
+                           int64_t act_bits);
 bool has_x16();
 
 // x [M, K] as int16 codes with one step per row, as the x16 kernels quantize it
@@ -59,6 +61,18 @@ struct RowCodes16 {
 };
 RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,
                              bool with_sums, bool int8_tokens);
+// x as int8 codes for vpdpbusd (AVX-512 VNNI; quant_x16.cpp): per row and sub-block of 32
+// one step dx (max |x| / 127, round to nearest even), or with int8_tokens the row's one step
+// (compressed-tensors' per-token int8); each sub-block's 32 codes as 8 quads (int32) in the
+// order a kernel pairs them (order 4 or 2: kquant_x16.cpp's planes of that width; 8: as they
+// come), and the sum of the codes per group of G (16 or 32).
+struct RowCodes8 {
+  std::vector<int32_t> quads;  // [M, K / 4]
+  std::vector<float> dx;       // [M, K / 32]
+  std::vector<int32_t> csum;   // [M, K / G]
+};
+RowCodes8 x8_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size, int order,
+                           bool int8_tokens);
 // kquant_x16.cpp: x [M, K] float32 @ a KQx16 weight [N, K]^T (kernels/cpu/kquant.py).
 // fp8_matmul.cpp: x [M, K] float32 @ E4M3 codes, 16 rows interleaved [ceil(N / 16), K, 16]
 // uint8 (each times 2^-120), times scale [N] (which carries the 2^120).
@@ -71,7 +85,7 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                             int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
                             const std::optional<torch::Tensor>& dmin,
                             const std::optional<torch::Tensor>& m, double sign, int64_t n,
-                            bool int8_tokens);
+                            bool int8_tokens, int64_t act_bits);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual,

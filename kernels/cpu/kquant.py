@@ -282,8 +282,10 @@ def kq_available() -> bool:
     return available() and bool(load().has_kq())
 
 
-def kq_x16_matmul(x: torch.Tensor, w: KQx16) -> torch.Tensor:
-    """x [M, K] float32 @ w [N, K]^T -> [M, N] float32 (kquant_x16.cpp)."""
+def kq_x16_matmul(x: torch.Tensor, w: KQx16, act_bits: int = 16) -> torch.Tensor:
+    """x [M, K] float32 @ w [N, K]^T -> [M, N] float32 (kquant_x16.cpp). ``act_bits`` 8
+    codes x in int8 per 32 values (llama.cpp's activations; AVX-512 VNNI, else int16 as for
+    16); a W8A8 weight's ``int8_tokens`` take the int8 path wherever it is built."""
     from kernels.cpu import load
 
     _, widths, group, block = kq_layout(w.type_name)
@@ -292,6 +294,14 @@ def kq_x16_matmul(x: torch.Tensor, w: KQx16) -> torch.Tensor:
         x = x.index_select(1, w.perm)
     out: torch.Tensor = load().kq_x16_matmul(
         x, w.planes[0], hi, widths[0], widths[1] if hi is not None else 0, w.bias, group,
-        block, w.d, w.sc, w.dmin, w.m, w.sign, w.shape[0], w.int8_tokens,
+        block, w.d, w.sc, w.dmin, w.m, w.sign, w.shape[0], w.int8_tokens, act_bits,
     )  # fmt: skip
     return out
+
+
+def kq_int8_available() -> bool:
+    """Whether the KQx16 kernels code activations in int8 here (AVX-512 VNNI) when asked."""
+    from kernels.cpu import available, load
+
+    return available() and bool(load().has_x16())
+

@@ -3,7 +3,9 @@
 // AVX-512 (F, BW, VL) and VNNI; for CPUs with AVX2 only, the same layout in two 256-bit
 // halves (PDSERVE_KQ8, below). Activations float32 in and out, quantized inside to int16
 // codes with one step per row, as quant_x16.cpp does for Q4x16, or (int8_tokens) to int8
-// codes per row as compressed-tensors' W8A8 checkpoints quantize their activations.
+// codes per row as compressed-tensors' W8A8 checkpoints quantize their activations, or
+// (act_bits 8, AVX-512 VNNI only; the AVX2 path keeps int16) to int8 codes per 32 values as
+// llama.cpp quantizes them: see "The 8-bit activation path" below.
 //
 // M = activation rows, K = input features, N = output features, NB = N / 16, SB = K / 32,
 // G = group size (16 or 32), L = the float block (256, or 32 for Q5_0 / Q5_1; a checkpoint's
@@ -244,6 +246,202 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
   if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows<4, 1, 32>;  // Q5_K, Q5_0, Q5_1
   if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows<4, 2, 16>;  // Q6_K
   if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows<4, 4, 32>;  // 8-bit integer codes
+  return nullptr;
+}
+
+
+// The 8-bit activation path (AVX-512 VNNI; act_bits 8): x in int8 codes with one
+// step per sub-block of 32 (dx_b = max |x| / 127 over it, round to nearest even), as
+// llama.cpp's Q8_0 codes activations, or for int8_tokens the checkpoint's one step per row.
+// vpdpbusd multiplies 4 unsigned weight codes by 4 signed x codes per 32-bit lane, twice the
+// work of a vpdpwssd, from the same planes: pairs P and P2 = P + 16 / (2 LO) lie in one low
+// chunk, LO * (P2 - P) = 8 bits apart, so one shift and one mask leave pair P's codes in the
+// low bytes of lane i's two words and pair P2's in the high bytes: bytes u[2P], u[2P2],
+// u[2P + 1], u[2P2 + 1]. x's codes are stored in that order (a quad per 32-bit word), 8 quads
+// per sub-block. A high plane's fields are moved to bits LO and LO + 8 with one shift when
+// they lie 8 bits apart (8-bit codes), else two shifts and a blend. Per group g of sub-block
+// b, in float32: acc += dx_b * (S_g * (d * sc) + sign * (dmin * m) * C_g), where S_g is the
+// exact int32 sum of (u - bias) x and C_g the sum of x's codes over the group.
+
+// The quad order for low planes of width LO: quad q holds pairs P and P2.
+constexpr int quad_pair(int lo_w, int q) {
+  const int per = 16 / lo_w, half = per / 2;
+  return (q / half) * per + q % half;
+}
+
+template <int S>
+inline __m512i shift16(__m512i v) {  // left by S bits (right when S < 0), per 16-bit word
+  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+  if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+  return v;
+}
+
+// Quad Q's unsigned byte codes (pairs P and P2) from planes LO (+ HI above it).
+template <int LO, int HI, int Q>
+inline __m512i quad_bits(const __m512i* lo, const __m512i* hi) {
+  constexpr int per = 16 / LO, half = per / 2;
+  constexpr int P = quad_pair(LO, Q), P2 = P + half;
+  constexpr int lo_mask = (1 << LO) - 1;
+  const __m512i low = _mm512_and_si512(shift16<-LO * (P % per)>(lo[P / per]),
+                                       _mm512_set1_epi16(static_cast<int16_t>(lo_mask * 0x101)));
+  if constexpr (HI == 0) {
+    return low;
+  } else {
+    constexpr int hi_per = 16 / HI, hm = (1 << HI) - 1;
+    constexpr int at = HI * (P % hi_per), at2 = HI * (P2 % hi_per);
+    constexpr int16_t both = static_cast<int16_t>((hm << LO) | (hm << (LO + 8)));
+    const __m512i a = shift16<LO - at>(hi[P / hi_per]);
+    __m512i high = a;
+    if constexpr (P / hi_per != P2 / hi_per || LO - at != LO + 8 - at2) {
+      const __m512i b = shift16<LO + 8 - at2>(hi[P2 / hi_per]);
+      // imm 0xE4: C ? A : B per bit, C = the first field's place.
+      high = _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi16(static_cast<int16_t>(hm << LO)),
+                                       0xE4);
+    }
+    // imm 0xF8: A | (B & C).
+    return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi16(both), 0xF8);
+  }
+}
+
+// 5-bit codes (4 + 1: Q5_0, Q5_1, Q5_K): the one-bit plane's word H holds pair P's bit at
+// P. Spread once per sub-block into two words, for pairs P < 8 and P >= 8 (P' = P % 8):
+// bit P' of the pair's own, bit P' + 8 of its partner's (P + 2), so each quad's high bits
+// need one shift (to bits 4 and 12) instead of two and a blend.
+inline void spread_q5(__m512i h, __m512i* out) {
+  const __m512i low_byte = _mm512_set1_epi16(0x00FF);
+  // imm 0xE4: C ? A : B.
+  out[0] = _mm512_ternarylogic_epi32(h, _mm512_slli_epi16(h, 6), low_byte, 0xE4);
+  out[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(h, 8), _mm512_srli_epi16(h, 2), low_byte,
+                                     0xE4);
+}
+
+template <int Q>
+inline __m512i quad_bits_q5(const __m512i* lo, const __m512i* spread) {
+  constexpr int P = quad_pair(4, Q);
+  const __m512i low = _mm512_and_si512(shift16<-4 * (P % 4)>(lo[P / 4]),
+                                       _mm512_set1_epi16(0x0F0F));
+  const __m512i high = shift16<4 - P % 8>(spread[P / 8]);
+  return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi16(0x1010), 0xF8);  // A | (B & C)
+}
+
+template <int LO, int HI, int G, int R, int T>
+struct SubBlockI8 {
+  static constexpr int kHi = HI > 0 ? HI : 1;
+  static constexpr bool kQ5 = LO == 4 && HI == 1;
+  __m512i lo[T][LO];
+  __m512i hi[T][kHi];
+  __m512i spread[T][2];
+  __m512i sum[R][T][2];
+  const int32_t* x[R];
+
+  template <int Q>
+  inline void quad() {
+    constexpr int group = quad_pair(LO, Q) / (G / 2);  // both pairs lie in one group
+    for (int t = 0; t < T; ++t) {
+      __m512i v;
+      if constexpr (kQ5) {
+        v = quad_bits_q5<Q>(lo[t], spread[t]);
+      } else {
+        v = quad_bits<LO, HI, Q>(lo[t], hi[t]);
+      }
+      for (int r = 0; r < R; ++r)
+        sum[r][t][group] = _mm512_dpbusd_epi32(sum[r][t][group], v, _mm512_set1_epi32(x[r][Q]));
+    }
+  }
+
+  template <int... Q>
+  inline void quads(std::integer_sequence<int, Q...>) {
+    (quad<Q>(), ...);
+  }
+};
+
+template <int LO, int HI, int G, int R, int T>
+void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j0,
+                const Dims& dims, float* out) {
+  const int64_t num_sub = dims.num_sub();
+  const int64_t groups = dims.K / G, blocks = dims.K / w.L;
+  constexpr int64_t lo_stride = LO * 64, hi_stride = (HI > 0 ? HI : 1) * 64;
+  constexpr int groups_per_sub = static_cast<int>(kSub / G);
+  SubBlockI8<LO, HI, G, R, T> sb;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* lo = w.lo + ((j0 + t) * num_sub + b) * lo_stride;
+      for (int c = 0; c < LO; ++c) sb.lo[t][c] = _mm512_loadu_si512(lo + c * 64);
+      if constexpr (HI > 0) {
+        const uint8_t* hi = w.hi + ((j0 + t) * num_sub + b) * hi_stride;
+        for (int c = 0; c < HI; ++c) sb.hi[t][c] = _mm512_loadu_si512(hi + c * 64);
+        if constexpr (SubBlockI8<LO, HI, G, R, T>::kQ5) spread_q5(sb.hi[t][0], sb.spread[t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      sb.x[r] = qx.quads.data() + ((m0 + r) * dims.K + b * kSub) / 4;
+      for (int t = 0; t < T; ++t) sb.sum[r][t][0] = sb.sum[r][t][1] = _mm512_setzero_si512();
+    }
+    sb.quads(std::make_integer_sequence<int, 8>{});
+    for (int q = 0; q < groups_per_sub; ++q) {
+      const int64_t g = b * groups_per_sub + q;
+      for (int t = 0; t < T; ++t) {
+        const int64_t at_block = ((j0 + t) * blocks + g * G / w.L) * kLanes;
+        const int64_t at_group = ((j0 + t) * groups + g) * kLanes;
+        const __m512 scale = scales16(w.d + at_block, w.sc + at_group);
+        __m512 min_term = _mm512_setzero_ps();
+        if (w.dmin) {
+          min_term = scales16(w.dmin + at_block, w.m + at_group);
+          if (w.sign < 0) min_term = _mm512_sub_ps(_mm512_setzero_ps(), min_term);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int32_t c = qx.csum[(m0 + r) * groups + g];
+          __m512i s = sb.sum[r][t][q];
+          if (w.bias != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(w.bias * c));
+          __m512 inner = _mm512_mul_ps(_mm512_cvtepi32_ps(s), scale);
+          if (w.dmin)
+            inner = _mm512_fmadd_ps(min_term, _mm512_set1_ps(static_cast<float>(c)), inner);
+          acc[r][t] = _mm512_fmadd_ps(inner, _mm512_set1_ps(qx.dx[(m0 + r) * num_sub + b]),
+                                      acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(out + (m0 + r) * dims.N + (j0 + t) * kLanes, acc[r][t]);
+}
+
+template <int LO, int HI, int G>
+void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int rows, int64_t j0,
+                int64_t j1, const Dims& dims, float* out) {
+  int64_t j = j0;
+#define PDSERVE_KQ_TILE(R, T) kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out)
+  switch (rows) {
+    case 1: for (; j + 4 <= j1; j += 4) PDSERVE_KQ_TILE(1, 4); break;
+    case 2: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(2, 2); break;
+    case 3: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(3, 2); break;
+    default: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(4, 2); break;
+  }
+  for (; j < j1; ++j) {
+    switch (rows) {
+      case 1: PDSERVE_KQ_TILE(1, 1); break;
+      case 2: PDSERVE_KQ_TILE(2, 1); break;
+      case 3: PDSERVE_KQ_TILE(3, 1); break;
+      default: PDSERVE_KQ_TILE(4, 1); break;
+    }
+  }
+#undef PDSERVE_KQ_TILE
+}
+
+using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, int64_t, int, int64_t, int64_t,
+                          const Dims&, float*);
+
+RowsI8Fn rows_i8_fn(int lo_w, int hi_w, int64_t group) {
+  if (lo_w == 2 && hi_w == 0 && group == 16) return kq_rows_i8<2, 0, 16>;
+  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_rows_i8<2, 1, 16>;
+  if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows_i8<4, 0, 32>;
+  if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows_i8<4, 1, 32>;
+  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows_i8<4, 2, 16>;
+  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows_i8<4, 4, 32>;
   return nullptr;
 }
 
@@ -502,12 +700,13 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                             int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
                             const std::optional<torch::Tensor>& dmin,
                             const std::optional<torch::Tensor>& m, double sign, int64_t n,
-                            bool int8_tokens) {
+                            bool int8_tokens, int64_t act_bits) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
                   x.is_contiguous(),
               "x must be a contiguous float32 [M, K] CPU matrix");
   const Dims dims{x.size(0), x.size(1), n};
   TORCH_CHECK(group_size == 16 || group_size == 32, "group_size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits must be 8 or 16, got ", act_bits);
   TORCH_CHECK(block_size % group_size == 0 && block_size % kSub == 0 && dims.K % block_size == 0,
               "K = ", dims.K, " must be a multiple of the float block ", block_size);
   TORCH_CHECK(n > 0 && n % kLanes == 0, "N must be a positive multiple of 16, got ", n);
@@ -541,15 +740,34 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                    static_cast<int>(bias), group_size, block_size, d.data_ptr<float>(),
                    sc.data_ptr<int8_t>(), dmin.has_value() ? dmin->data_ptr<float>() : nullptr,
                    m.has_value() ? m->data_ptr<int8_t>() : nullptr, static_cast<float>(sign)};
-  const RowsFn run = rows_fn(w.lo_w, w.hi ? w.hi_w : 0, group_size);
+  const int hi_w = w.hi ? w.hi_w : 0;
+  const RowsFn run = rows_fn(w.lo_w, hi_w, group_size);
   TORCH_CHECK(run != nullptr, "no KQx16 kernel for planes of ", lo_width, " + ",
               hi_plane.has_value() ? hi_width : 0, " bits in groups of ", group_size);
+  float* op = out.data_ptr<float>();
+#ifdef PDSERVE_KQ16
+  if (act_bits == 8 || int8_tokens) {  // the same codes either way for int8 tokens
+    const RowsI8Fn run8 = rows_i8_fn(w.lo_w, hi_w, group_size);
+    const RowCodes8 q8 = x8_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,
+                                          w.lo_w, int8_tokens);
+    const int64_t num_quads = (dims.num_blocks() + 3) / 4;
+    const int64_t passes = (dims.M + kMaxRows - 1) / kMaxRows;
+    parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
+      const int64_t u0 = q0 * 4, u1 = std::min(dims.num_blocks(), q1 * 4);
+      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+        const int rows = static_cast<int>((dims.M - m0) / (passes - p));
+        run8(w, q8, m0, rows, u0, u1, dims, op);
+        m0 += rows;
+      }
+    });
+    return out;
+  }
+#endif
   const RowCodes16 qx =
       quantize_kq(x.data_ptr<float>(), dims, group_size, dmin.has_value(), int8_tokens);
   std::vector<int32_t> csum;
   if (w.bias != 0) csum = code_sums(qx, dims, group_size);
   const int32_t* cs = csum.empty() ? nullptr : csum.data();
-  float* op = out.data_ptr<float>();
   // Chunks of 4 units (n-blocks, or the AVX2 path's halves of them) so a lone row's passes
   // are whole; rows in passes of near-equal size, none over kMaxRows.
   const int64_t units = kUnitsPerBlock * dims.num_blocks();

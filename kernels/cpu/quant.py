@@ -17,9 +17,10 @@ within 1/65534 of the row's largest |x|) or to int8 codes per sub-block of 32 (a
 The x16 layouts (quant_x16.cpp, for CPUs with AVX-512 BW / VL and VNNI) hold the same codes
 and scales with 16 weight rows interleaved, so that a 512-bit register's lanes are 16 output
 features; ``pack_q4_x16`` / ``pack_q8_x16`` convert (exactly: the inverse functions give the
-original tensors back), and ``q4x16_matmul`` / ``q8x16_matmul`` take int16 codes of x only.
-Their results equal ``q4_matmul`` / ``q8_matmul`` with act_bits 16 up to float32 rounding
-(the same exact integer sums, added in another order).
+original tensors back), and ``q4x16_matmul`` / ``q8x16_matmul`` take int16 codes of x per
+row (act_bits 16) or int8 codes per 32 elements (act_bits 8, llama.cpp's activations). With
+16, their results equal ``q4_matmul`` / ``q8_matmul``'s up to float32 rounding (the same
+exact integer sums, added in another order).
 """
 
 from __future__ import annotations
@@ -196,17 +197,24 @@ def q4x16_matmul(
     mins: torch.Tensor,
     group_size: int,
     n: int,
+    act_bits: int = 16,
 ) -> torch.Tensor:
     """x float32 [M, K] contiguous @ Q4x16 weights (``pack_q4_x16``) of N = ``n`` rows ->
-    float32 [M, N]; x is quantized to int16 codes per row inside."""
-    out: torch.Tensor = load().q4x16_matmul(x, qweight, scales, mins, group_size, n)
+    float32 [M, N]; x is quantized inside to int16 codes per row (``act_bits`` 16) or int8
+    codes per 32 elements (8)."""
+    out: torch.Tensor = load().q4x16_matmul(x, qweight, scales, mins, group_size, n, act_bits)
     return out
 
 
 def q8x16_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, n: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    n: int,
+    act_bits: int = 16,
 ) -> torch.Tensor:
-    out: torch.Tensor = load().q8x16_matmul(x, qweight, scales, group_size, n)
+    out: torch.Tensor = load().q8x16_matmul(x, qweight, scales, group_size, n, act_bits)
     return out
 
 

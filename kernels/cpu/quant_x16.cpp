@@ -162,6 +162,82 @@ CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums, bool int8_
   return q;
 }
 
+// One sub-block's 32 codes in the quad order of planes of width 4 or 2 (kquant_x16.cpp's
+// pairing: within each 16 bytes, bytes 2p, 2p2, 2p + 1, 2p2 + 1 per quad; vpshufb's indices,
+// per 128-bit lane), or as they are (order 8).
+inline __m256i quad_order(__m256i codes, int order) {
+  if (order == 8) return codes;
+  const __m256i indices = order == 4
+      ? _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+      : _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(codes, indices);
+}
+
+}  // namespace
+
+namespace pdserve_cpu {
+
+RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int order,
+                           bool int8_tokens) {
+  TORCH_CHECK(order == 2 || order == 4 || order == 8, "quad order 2, 4 or 8, got ", order);
+  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "int8 codes: K a multiple of 32, G 16 or 32");
+  RowCodes8 q;
+  const int64_t num_sub = K / kSub, groups = K / G;
+  q.quads.resize(M * K / 4);
+  q.dx.resize(M * num_sub);
+  q.csum.resize(M * groups);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float row_scale = 0.f;
+    if (int8_tokens) {  // compressed-tensors' dynamic per-token int8 (quant_x16.cpp)
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+      row_scale = _mm512_reduce_max_ps(top) / 127.5f;
+      if (row_scale == 0.f) row_scale = FLT_EPSILON;
+    }
+    for (int64_t b = 0; b < num_sub; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(row + b * kSub), x1 = _mm512_loadu_ps(row + b * kSub + 16);
+      __m512i c0, c1;
+      float step;
+      if (int8_tokens) {  // nearbyint(x / scale), clamped to int8 (the saturating narrowing)
+        step = row_scale;
+        const __m512 s = _mm512_set1_ps(step);
+        c0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, s));
+        c1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, s));
+      } else {
+        const float absmax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        step = absmax / 127.f;
+        const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+        c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));  // round to nearest even
+        c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+      }
+      q.dx[m * num_sub + b] = step;
+      const __m256i codes = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(c0)), _mm512_cvtsepi32_epi8(c1), 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.quads.data() + (m * K + b * kSub) / 4),
+                          quad_order(codes, order));
+      // The group sums from the clamped codes.
+      const __m512i s0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes));
+      const __m512i s1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1));
+      if (G == 32) {
+        q.csum[m * groups + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));
+      } else {
+        q.csum[m * groups + 2 * b] = _mm512_reduce_add_epi32(s0);
+        q.csum[m * groups + 2 * b + 1] = _mm512_reduce_add_epi32(s1);
+      }
+    }
+  }
+  return q;
+}
+
+}  // namespace pdserve_cpu
+
+namespace {
+
 inline __m512i pair_of(const int16_t* p) {  // (p[0], p[1]) in every 32-bit lane
   int32_t bits;
   std::memcpy(&bits, p, 4);
@@ -318,15 +394,158 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
 #undef PDSERVE_X16_TILE
 }
 
+
+// The 8-bit activation path (act_bits 8): x as int8 codes with a step per sub-block of 32
+// (x8_quantize_rows), 4 codes per vpdpbusd. Q4x16's nibble chunks are kquant_x16.cpp's
+// 4-bit plane: a mask keeps nibbles t and t + 2 of each word, a shift and the mask nibbles
+// t + 1 and t + 3 (x's codes in that order, quad order 4). Q8x16's 16-row chunks of 2 codes
+// each come in twos (64 bytes, one load); vpermw interleaves their words so that lane i holds
+// row i's 4 codes, and a flip of the top bit makes them unsigned (q + 128: 128 times the
+// sum of x's codes comes off after). Per sub-block b, in float32:
+//   Q4: acc += dx_b * (S_b * scale_g + min_g * C_b);  Q8: acc += dx_b * S_b * scale_g
+// with S_b the exact int32 sum of the code products and C_b the sum of x's codes.
+template <int R, int T>
+void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
+                const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j0, const Dims16& d,
+                float* out) {
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  const int64_t block_stride = num_sub * 256;
+  const int64_t subs_per_group = d.G / kSub;
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i sum[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
+        const __m512i v0 = _mm512_and_si512(w, nibbles);
+        const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibbles);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = qx.quads.data() + ((m0 + r) * d.K + b * kSub) / 4 + 2 * c;
+          sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], v0, _mm512_set1_epi32(xq[0]));
+          sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], v1, _mm512_set1_epi32(xq[1]));
+        }
+      }
+    }
+    const int64_t g = b / subs_per_group;
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
+      const __m512 sv = halves16(scales + at), mv = halves16(mins + at);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row_sub = (m0 + r) * num_sub + b;
+        const __m512 inner = _mm512_fmadd_ps(
+            mv, _mm512_set1_ps(static_cast<float>(qx.csum[row_sub])),
+            _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][t]), sv));
+        acc[r][t] = _mm512_fmadd_ps(inner, _mm512_set1_ps(qx.dx[row_sub]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes, acc[r][t]);
+}
+
+template <int R, int T>
+void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::RowCodes8& qx,
+                int64_t m0, int64_t j0, const Dims16& d, float* out) {
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  const int64_t block_stride = num_sub * 512;
+  const int64_t subs_per_group = d.G / kSub;
+  const bool per_row = d.G == d.K;
+  // word 2i of the result: word i of the first chunk; word 2i + 1: word i of the second
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
+  const __m512i top_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i sum[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 512 + c * 64);
+        const __m512i u = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, w), top_bits);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = qx.quads.data() + ((m0 + r) * d.K + b * kSub) / 4;
+          sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], u, _mm512_set1_epi32(xq[c]));
+        }
+      }
+    }
+    const int64_t g = per_row ? 0 : b / subs_per_group;
+    for (int t = 0; t < T; ++t) {
+      const __m512 sv = halves16(scales + ((j0 + t) * num_groups + g) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row_sub = (m0 + r) * num_sub + b;
+        const __m512i s = _mm512_sub_epi32(sum[r][t], _mm512_set1_epi32(128 * qx.csum[row_sub]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sv),
+                                    _mm512_set1_ps(qx.dx[row_sub]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes, acc[r][t]);
+}
+
+template <bool Q4>
+void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
+                 const uint16_t* mins, const pdserve_cpu::RowCodes8& qx, int64_t m0,
+                 const Dims16& d, float* out) {
+#define PDSERVE_X16_TILE(R, T)                                                          \
+  if constexpr (Q4) {                                                                   \
+    q4_tile_i8<R, T>(qw, scales, mins, qx, m0, j, d, out);                              \
+  } else {                                                                              \
+    q8_tile_i8<R, T>(qw, scales, qx, m0, j, d, out);                                    \
+  }
+  int64_t j = j0;
+  switch (rows) {
+    case 1:
+      for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
+      break;
+    case 2:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(2, kTileBlocks) }
+      break;
+    case 3:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(3, kTileBlocks) }
+      break;
+    case 4:
+      for (; j + kTileBlocks <= j1; j += kTileBlocks) { PDSERVE_X16_TILE(4, kTileBlocks) }
+      break;
+    default:
+      break;
+  }
+  for (; j < j1; ++j) {
+    switch (rows) {
+      case 1: { PDSERVE_X16_TILE(1, 1) } break;
+      case 2: { PDSERVE_X16_TILE(2, 1) } break;
+      case 3: { PDSERVE_X16_TILE(3, 1) } break;
+      case 4: { PDSERVE_X16_TILE(4, 1) } break;
+      case 5: { PDSERVE_X16_TILE(5, 1) } break;
+      case 6: { PDSERVE_X16_TILE(6, 1) } break;
+      case 7: { PDSERVE_X16_TILE(7, 1) } break;
+      default: { PDSERVE_X16_TILE(8, 1) } break;
+    }
+  }
+#undef PDSERVE_X16_TILE
+}
+
 #endif  // PDSERVE_X16
 
 template <bool Q4>
 torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
-                         const torch::Tensor& scales, const uint16_t* mins, const Dims16& d) {
+                         const torch::Tensor& scales, const uint16_t* mins, const Dims16& d,
+                         int64_t act_bits) {
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "act_bits must be 8 or 16, got ", act_bits);
   auto out = torch::empty({d.M, d.N}, x.options());
   if (d.M == 0) return out;
 #ifdef PDSERVE_X16
-  const CodesX qx = quantize_rows(x.data_ptr<float>(), d, Q4);
   const auto* qw = qweight.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
@@ -335,13 +554,27 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   // 8 and a lone row (whose pass unpacks every weight for one row).
   const int64_t num_quads = (d.num_blocks() + 3) / 4;
   const int64_t passes = (d.M + kMaxTileRows - 1) / kMaxTileRows;
-  pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
-    const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
-    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-      const int rows = static_cast<int>((d.M - m0) / (passes - p));
-      run_rows<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
-      m0 += rows;
-    }
+  auto each_pass = [&](auto&& run) {
+    pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
+      const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
+      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+        const int rows = static_cast<int>((d.M - m0) / (passes - p));
+        run(rows, j0, j1, m0);
+        m0 += rows;
+      }
+    });
+  };
+  if (act_bits == 8) {
+    const pdserve_cpu::RowCodes8 qx =
+        pdserve_cpu::x8_quantize_rows(x.data_ptr<float>(), d.M, d.K, kSub, Q4 ? 4 : 8, false);
+    each_pass([&](int rows, int64_t j0, int64_t j1, int64_t m0) {
+      run_rows_i8<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
+    });
+    return out;
+  }
+  const CodesX qx = quantize_rows(x.data_ptr<float>(), d, Q4);
+  each_pass([&](int rows, int64_t j0, int64_t j1, int64_t m0) {
+    run_rows<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
   });
 #else
   (void)qweight;
@@ -358,21 +591,22 @@ namespace pdserve_cpu {
 
 torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
                            const torch::Tensor& scales, const torch::Tensor& mins,
-                           int64_t group_size, int64_t n) {
+                           int64_t group_size, int64_t n, int64_t act_bits) {
   TORCH_CHECK(qweight.scalar_type() == torch::kUInt8, "Q4x16 qweight must be uint8");
   const Dims16 d = check_x16(x, qweight, scales, group_size, n, 256);
   TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.is_contiguous() &&
                   mins.sizes() == scales.sizes(),
               "mins must be contiguous float16 shaped like scales");
   const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  return x16_matmul<true>(x, qweight, scales, mp, d);
+  return x16_matmul<true>(x, qweight, scales, mp, d, act_bits);
 }
 
 torch::Tensor q8x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
-                           const torch::Tensor& scales, int64_t group_size, int64_t n) {
+                           const torch::Tensor& scales, int64_t group_size, int64_t n,
+                           int64_t act_bits) {
   TORCH_CHECK(qweight.scalar_type() == torch::kInt8, "Q8x16 qweight must be int8");
   const Dims16 d = check_x16(x, qweight, scales, group_size, n, 512);
-  return x16_matmul<false>(x, qweight.view(torch::kUInt8), scales, nullptr, d);
+  return x16_matmul<false>(x, qweight.view(torch::kUInt8), scales, nullptr, d, act_bits);
 }
 
 RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size,

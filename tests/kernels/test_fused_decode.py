@@ -110,24 +110,27 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 @pytest.mark.skipif(not available() or not cpu_quant.has_x16(), reason="the KQx16 kernels need AVX-512 VNNI")
 @pytest.mark.parametrize(
-    "model",
+    ("model", "act_bits"),
     [
-        "gptq/llama-gptq-w4-g64-asym-actorder",  # integer codes: zero points, act order
-        "gptq/qwen2-gptq-w4-g128-actorder",  # act order, biases
-        "kquants/tiny-llama-Q4_K_M.gguf",  # K-quants mixed with Q8_0 / Q6_K tensors
-        "kquants/tiny-llama-Q3_K_M.gguf",
+        ("gptq/llama-gptq-w4-g64-asym-actorder", 16),  # integer codes: zero points, act order
+        ("gptq/qwen2-gptq-w4-g128-actorder", 16),  # act order, biases
+        ("kquants/tiny-llama-Q4_K_M.gguf", 16),  # K-quants mixed with Q8_0 / Q6_K tensors
+        ("kquants/tiny-llama-Q3_K_M.gguf", 16),
+        ("kquants/tiny-llama-Q4_K_M.gguf", 8),  # int8 activation codes (--quant-act-bits 8)
+        ("kquants/tiny-llama-Q5_K_M.gguf", 8),
     ],
 )
-def test_fused_decode_takes_kqx16_layers_bit_for_bit(model: str) -> None:
+def test_fused_decode_takes_kqx16_layers_bit_for_bit(model: str, act_bits: int) -> None:
     """KQx16 projections (K-quants, GPTQ / AWQ / compressed-tensors integer codes) in the
-    fused step: the same kernel as the Python path's, so the same logits bit for bit."""
+    fused step: the same kernel as the Python path's, so the same logits bit for bit, with
+    16- or 8-bit activation codes."""
     from common.models.default_model import resolve_model
     from common.models.quant.linear import QuantLinear
     from kernels.cpu.kquant import KQx16
 
     path = resolve_model(str(DATA / model))
-    python = tiny_engine(path, quantization="auto", fused_decode=False)
-    fused = tiny_engine(path, quantization="auto", fused_decode=True)
+    python = tiny_engine(path, quantization="auto", fused_decode=False, quant_act_bits=act_bits)
+    fused = tiny_engine(path, quantization="auto", fused_decode=True, quant_act_bits=act_bits)
     assert fused.runner.model.fused_decoder is not None
     kq = [
         m for m in fused.runner.model.modules()

@@ -19,7 +19,14 @@ import torch
 
 from common.models.quant.kquants import KQUANT_TYPES, read_kq_x16
 from kernels.cpu import available
-from kernels.cpu.kquant import KQ_LAYOUTS, KQx16, kq_available, kq_x16_matmul, rows
+from kernels.cpu.kquant import (
+    KQ_LAYOUTS,
+    KQx16,
+    kq_available,
+    kq_int8_available,
+    kq_x16_matmul,
+    rows,
+)
 from tests.unit.test_kquants import random_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -79,6 +86,45 @@ def test_each_row_is_computed_alone(type_name: str) -> None:
         assert torch.equal(kq_x16_matmul(x[lo:hi].contiguous(), w), whole[lo:hi]), (lo, hi)
 
 
+def int8_codes(x: torch.Tensor) -> torch.Tensor:
+    """x as the 8-bit activation path codes it, back in float64: per 32 values a step of
+    max |x| / 127, round to nearest even (float32, as the kernel computes it)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    absmax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
+    return (torch.round(blocks * inv).double() * (absmax / 127).double()).view_as(x)
+
+
+@pytest.mark.skipif(not kq_int8_available(), reason="int8 activations need AVX-512 VNNI")
+@pytest.mark.parametrize("type_name", TYPES)
+def test_int8_activations_multiply_exactly_their_codes(type_name: str) -> None:
+    """With 8-bit activations (vpdpbusd on the same planes, x's codes in the pairing's
+    order) the product is the float64 product of x's int8 codes and the weights, to float32
+    slack: any code paired with the wrong weight shows far above it. Against x itself the
+    error stays within half a step per value."""
+    per_block = KQUANT_TYPES[type_name][0]
+    k = 2 * max(per_block, 256)
+    gen = torch.Generator().manual_seed(7 + len(type_name))
+    for n in (16, 48, 80):
+        w = random_weight(type_name, n, k, seed=n)
+        dense = w.dequantize().double()
+        for m in M_VALUES:
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4
+            out = kq_x16_matmul(x, w, act_bits=8).double()
+            xq = int8_codes(x)
+            magnitude = xq.abs() @ dense.abs().t()
+            assert bool(((out - xq @ dense.t()).abs() <= 2e-6 * magnitude + 1e-30).all()), (
+                type_name, m, n
+            )
+            step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).double() / 127
+            half_step = (step / 2).expand(m, k // 32, 32).reshape(m, k)
+            bound = half_step @ dense.abs().t() + 2e-6 * magnitude
+            assert bool(((out - x.double() @ dense.t()).abs() <= bound).all()), (type_name, m)
+            # Each row alone gives the same bits.
+            alone = kq_x16_matmul(x[-1:].contiguous(), w, act_bits=8).double()
+            assert torch.equal(alone, out[-1:])
+
+
 def test_a_file_tensor_multiplies_as_its_dequantized_weights() -> None:
     from pathlib import Path
 
@@ -107,6 +153,8 @@ def test_bad_arguments_are_refused() -> None:
     no_min = KQx16(w.type_name, w.planes, w.d, w.sc, w.dmin, None, w.bias, w.sign)
     with pytest.raises(RuntimeError, match="come together"):
         kq_x16_matmul(x, no_min)
+    with pytest.raises(RuntimeError, match="act_bits must be 8 or 16"):
+        kq_x16_matmul(x, w, act_bits=4)
 
 
 def test_the_avx2_path_passes_these_tests() -> None:
@@ -139,3 +187,4 @@ def test_the_avx2_path_passes_these_tests() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+

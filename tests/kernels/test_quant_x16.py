@@ -42,13 +42,38 @@ FORMATS = [("q4", g) for g in (32, 64, 128)] + [("q8", g) for g in (32, 128, ROW
 CASES = [(kind, g, k) for kind, g in FORMATS for k in K_VALUES if g == ROW or k % int(g) == 0]
 
 
-def x16_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+def x16_matmul(x: torch.Tensor, w: QuantWeight, act_bits: int = 16) -> torch.Tensor:
     packed = w.to_x16()
     n = w.shape[0]
     if isinstance(packed, Q4Weight):
         return cpu_quant.q4x16_matmul(x, packed.qweight, packed.scales, packed.mins,
-                                      packed.group_size, n)  # fmt: skip
-    return cpu_quant.q8x16_matmul(x, packed.qweight, packed.scales, packed.group_size, n)
+                                      packed.group_size, n, act_bits)  # fmt: skip
+    return cpu_quant.q8x16_matmul(x, packed.qweight, packed.scales, packed.group_size, n, act_bits)
+
+
+@pytest.mark.parametrize(("kind", "group_size", "k"), CASES)
+def test_int8_activations_multiply_exactly_their_codes(
+    kind: str, group_size: int | str, k: int
+) -> None:
+    """act_bits 8: x in int8 codes per 32 elements (step max |x| / 127, round half to even),
+    4 codes per vpdpbusd (Q4's nibbles two by two, Q8's chunks interleaved by vpermw). The
+    result is the float64 product of those codes and the weights to float32 slack, for
+    every row count and n-block remainder; any code met by the wrong weight shows far above
+    it. Each row alone gives the same bits."""
+    from tests.kernels.test_kquant_x16 import int8_codes
+
+    gen = torch.Generator().manual_seed(k + len(kind))
+    for n in (16, 80):
+        w = make_weight(kind, n, k, group_size, gen)
+        dense = w.dequantize().double()
+        for m in (1, 3, 4, 9):
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4
+            out = x16_matmul(x, w, act_bits=8).double()
+            xq = int8_codes(x)
+            magnitude = xq.abs() @ dense.abs().t()
+            err = (out - xq @ dense.t()).abs()
+            assert bool((err <= 2e-6 * magnitude + 1e-30).all()), (kind, group_size, k, n, m)
+            assert torch.equal(x16_matmul(x[-1:].contiguous(), w, act_bits=8).double(), out[-1:])
 
 
 def test_q4_x16_byte_order_is_the_documented_one() -> None:
@@ -213,11 +238,13 @@ def test_packed_matmul_takes_the_x16_layout_where_it_applies(
     whole = random_q4(32, 64, 32, gen)
     assert PackedMatmul(whole, QuantCompute("cpp")).weight.layout == "x16"  # type: ignore[union-attr]
     ragged = PackedMatmul(random_q4(24, 64, 32, gen), QuantCompute("cpp"))  # N off 16
-    a8 = PackedMatmul(whole, QuantCompute("cpp", act_bits=8))  # the rows kernels' codes
-    for matmul in (ragged, a8):
-        assert matmul.weight is not None and matmul.weight.layout == "rows"
+    assert ragged.weight is not None and ragged.weight.layout == "rows"
     out = PackedMatmul(whole, QuantCompute("cpp"))(x)
     assert torch.equal(out, x16_matmul(x, whole))
+    # 8-bit activation codes: the x16 kernels' own int8 path.
+    a8 = PackedMatmul(whole, QuantCompute("cpp", act_bits=8))
+    assert a8.weight is not None and a8.weight.layout == "x16"
+    assert torch.equal(a8(x), x16_matmul(x, whole, act_bits=8))
     monkeypatch.setattr(linear, "_x16_ok", False)
     rows = PackedMatmul(whole, QuantCompute("cpp"))
     assert rows.weight is not None and rows.weight.layout == "rows"

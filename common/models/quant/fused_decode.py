@@ -61,7 +61,7 @@ def _part(ops: Any, part: PackedMatmul, act_bits: list[int], bias: Any = None) -
             weight.input_scale, weight.shape[0], bias,
         )  # fmt: skip
     if isinstance(weight, KQx16):
-        act_bits.append(16)  # the KQx16 kernel's own activation codes (int16, or int8 tokens)
+        act_bits.append(part.act_bits)  # int16 or int8 codes (int8 tokens: int8 either way)
         _, widths, group, block = kq_layout(weight.type_name)
         hi = weight.planes[1] if len(weight.planes) > 1 else None
         return ops.kq_projection(

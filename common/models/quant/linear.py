@@ -188,11 +188,10 @@ def x16_available() -> bool:
 
 
 def kernel_layout(weight: QuantWeight, compute: QuantCompute) -> QuantWeight:
-    """``weight`` in the layout its kernel reads: x16 where those kernels are built, the
-    activations are int16 codes and the rows come in sixteens (a 2-D weight), else as is."""
+    """``weight`` in the layout its kernel reads: x16 where those kernels are built and the
+    rows come in sixteens (a 2-D weight), else as is."""
     if (
         compute.kernel == "cpp"
-        and compute.act_bits == 16
         and weight.layout == "rows"
         and weight.qweight.dim() == 2
         and weight.shape[0] % 16 == 0
@@ -270,7 +269,7 @@ class PackedMatmul:
 
     def _packed(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if isinstance(w, KQx16):
-            return kq_x16_matmul(x, w)
+            return kq_x16_matmul(x, w, self.act_bits)
         if isinstance(w, Fp8Weight):  # its input already quantized (__call__)
             return cpu_quant.fp8_x16_matmul(x, w.packed, w.kernel_scale, w.n)
         if isinstance(w, HalfWeight):
@@ -278,8 +277,10 @@ class PackedMatmul:
         if w.layout == "x16":
             n = w.shape[0]
             if isinstance(w, Q4Weight):
-                return cpu_quant.q4x16_matmul(x, w.qweight, w.scales, w.mins, w.group_size, n)
-            return cpu_quant.q8x16_matmul(x, w.qweight, w.scales, w.group_size, n)
+                return cpu_quant.q4x16_matmul(
+                    x, w.qweight, w.scales, w.mins, w.group_size, n, self.act_bits
+                )
+            return cpu_quant.q8x16_matmul(x, w.qweight, w.scales, w.group_size, n, self.act_bits)
         if isinstance(w, Q4Weight):
             return cpu_quant.q4_matmul(x, w.qweight, w.scales, w.mins, w.group_size, self.act_bits)
         assert isinstance(w, Q8Weight), type(w)
