@@ -10,7 +10,11 @@ the output head, for:
   Q8_0 as in the shipped GGUF), x quantized to 16- or 8-bit codes inside;
 - ``q4 x16`` / ``q8 x16``: kernels/cpu/quant_x16.cpp on the same weights in the x16 layout
   (16 rows interleaved; int16 codes of x; only where the CPU has AVX-512 BW / VL and VNNI),
-  which the engine takes there at every row count;
+  which the engine takes there at every row count; ``... x16 a8`` with int8 codes of x per
+  32 (``--quant-act-bits 8``: vpdpbusd);
+- ``q5_0 kq a16`` / ``a8``: kernels/cpu/kquant_x16.cpp on GGUF Q5_0 weights (what most of
+  SmolLM2's Q4_K_M file holds, its 576-wide rows being no multiple of 256), the head Q8_0 x16
+  at the same activation bits;
 - ``q8 cpp a16`` / ``a8``: the same kernels on per-channel int8 weights (``--quantization
   int8``);
 - ``q4 torch``: torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations);
@@ -38,9 +42,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.models.quant.kquants import read_kq_x16
 from common.models.quant.linear import PackedMatmul, QuantCompute, _dense_in_chunks
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.kquant import KQx16, kq_x16_matmul
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, 30 layers.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K)
@@ -71,15 +77,23 @@ def packed_kernel(weight: Q4Weight | Q8Weight, act_bits: int) -> Matmul:
                                          act_bits)  # fmt: skip
 
 
-def x16_kernel(weight: Q4Weight | Q8Weight) -> Matmul:
+def x16_kernel(weight: Q4Weight | Q8Weight, act_bits: int = 16) -> Matmul:
     """The x16 kernel (the weight repacked once)."""
     packed, n = weight.to_x16(), weight.shape[0]
     if isinstance(packed, Q4Weight):
         return lambda x: cpu_quant.q4x16_matmul(
-            x, packed.qweight, packed.scales, packed.mins, packed.group_size, n
+            x, packed.qweight, packed.scales, packed.mins, packed.group_size, n, act_bits
         )
     return lambda x: cpu_quant.q8x16_matmul(x, packed.qweight, packed.scales,
-                                            packed.group_size, n)  # fmt: skip
+                                            packed.group_size, n, act_bits)  # fmt: skip
+
+
+def q5_0_weight(w: torch.Tensor) -> KQx16:
+    """``w`` quantized to GGUF Q5_0 by the gguf package, read into the KQx16 layout."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q5_0)
+    return read_kq_x16("Q5_0", raw, w.shape[0], w.shape[1])
 
 
 def _float_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +140,22 @@ def build_paths() -> dict[str, Path]:
             [packed_kernel(w, bits) for w in [*q8, head_q8]], weight_bytes(q8, head_q8)
         )
     if cpu_quant.has_x16():
-        paths["q4 x16"] = Path([x16_kernel(w) for w in cpp_q4], weight_bytes(q4, head_q8_0))
-        paths["q8 x16"] = Path([x16_kernel(w) for w in [*q8, head_q8]], weight_bytes(q8, head_q8))
+        for bits in (16, 8):
+            tag = "" if bits == 16 else " a8"
+            paths[f"q4 x16{tag}"] = Path(
+                [x16_kernel(w, bits) for w in cpp_q4], weight_bytes(q4, head_q8_0)
+            )
+            paths[f"q8 x16{tag}"] = Path(
+                [x16_kernel(w, bits) for w in [*q8, head_q8]], weight_bytes(q8, head_q8)
+            )
+        q5 = [q5_0_weight(w) for w in floats]
+        q5_bytes = sum(w.num_bytes for w in q5) + head_q8_0.num_bytes
+        for bits in (16, 8):
+            paths[f"q5_0 kq a{bits}"] = Path(
+                [functools.partial(kq_x16_matmul, w=w, act_bits=bits) for w in q5]
+                + [x16_kernel(head_q8_0, bits)],
+                q5_bytes,
+            )
     torch_compute = QuantCompute("torch")
     torch_q4: list[QuantWeight] = [*q4, head_q8]
     torch_q8: list[QuantWeight] = [*q8, head_q8]

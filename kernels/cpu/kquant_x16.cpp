@@ -328,6 +328,7 @@ template <int LO, int HI, int G, int R, int T>
 struct SubBlockI8 {
   static constexpr int kHi = HI > 0 ? HI : 1;
   static constexpr bool kQ5 = LO == 4 && HI == 1;
+  static constexpr bool kSplit = G == 32 && R * T <= 2;
   __m512i lo[T][LO];
   __m512i hi[T][kHi];
   __m512i spread[T][2];
@@ -336,7 +337,10 @@ struct SubBlockI8 {
 
   template <int Q>
   inline void quad() {
-    constexpr int group = quad_pair(LO, Q) / (G / 2);  // both pairs lie in one group
+    // Both pairs lie in one group; with one group a sub-block (G = 32) and at most 2 sums
+    // in the tile, the quads alternate between two sums, two chains of vpdpbusd instead of
+    // one (bigger tiles have chains enough, and no registers to spare).
+    constexpr int group = kSplit ? Q % 2 : quad_pair(LO, Q) / (G / 2);
     for (int t = 0; t < T; ++t) {
       __m512i v;
       if constexpr (kQ5) {
@@ -381,6 +385,9 @@ void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
       for (int t = 0; t < T; ++t) sb.sum[r][t][0] = sb.sum[r][t][1] = _mm512_setzero_si512();
     }
     sb.quads(std::make_integer_sequence<int, 8>{});
+    if constexpr (SubBlockI8<LO, HI, G, R, T>::kSplit)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sb.sum[r][t][0] = _mm512_add_epi32(sb.sum[r][t][0], sb.sum[r][t][1]);
     for (int q = 0; q < groups_per_sub; ++q) {
       const int64_t g = b * groups_per_sub + q;
       for (int t = 0; t < T; ++t) {
@@ -416,7 +423,7 @@ void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
   int64_t j = j0;
 #define PDSERVE_KQ_TILE(R, T) kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out)
   switch (rows) {
-    case 1: for (; j + 4 <= j1; j += 4) PDSERVE_KQ_TILE(1, 4); break;
+    case 1: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(1, 2); break;
     case 2: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(2, 2); break;
     case 3: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(3, 2); break;
     default: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(4, 2); break;
@@ -750,10 +757,12 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
     const RowsI8Fn run8 = rows_i8_fn(w.lo_w, hi_w, group_size);
     const RowCodes8 q8 = x8_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,
                                           w.lo_w, int8_tokens);
-    const int64_t num_quads = (dims.num_blocks() + 3) / 4;
+    // Chunks of 2 n-blocks, a tile's width: a 192-row projection is 6 chunks, not 3 of 4
+    // (one thread would run two of them while the other waits).
+    const int64_t num_pairs = (dims.num_blocks() + 1) / 2;
     const int64_t passes = (dims.M + kMaxRows - 1) / kMaxRows;
-    parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
-      const int64_t u0 = q0 * 4, u1 = std::min(dims.num_blocks(), q1 * 4);
+    parallel_for(num_pairs, 1, [&](int64_t q0, int64_t q1) {
+      const int64_t u0 = q0 * 2, u1 = std::min(dims.num_blocks(), q1 * 2);
       for (int64_t p = 0, m0 = 0; p < passes; ++p) {
         const int rows = static_cast<int>((dims.M - m0) / (passes - p));
         run8(w, q8, m0, rows, u0, u1, dims, op);

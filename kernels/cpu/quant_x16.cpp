@@ -408,6 +408,7 @@ template <int R, int T>
 void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
                 const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j0, const Dims16& d,
                 float* out) {
+  constexpr bool kSplit = R * T <= 2;
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 256;
   const int64_t subs_per_group = d.G / kSub;
@@ -416,18 +417,19 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_sub; ++b) {
-    __m512i sum[R][T];
+    __m512i sum[R][T], odd[R][T];
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+      for (int t = 0; t < T; ++t) sum[r][t] = odd[r][t] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       for (int t = 0; t < T; ++t) {
         const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
         const __m512i v0 = _mm512_and_si512(w, nibbles);
         const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibbles);
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {  // a small tile: two chains, joined after the sub-block
           const int32_t* xq = qx.quads.data() + ((m0 + r) * d.K + b * kSub) / 4 + 2 * c;
           sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], v0, _mm512_set1_epi32(xq[0]));
-          sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], v1, _mm512_set1_epi32(xq[1]));
+          __m512i& second = kSplit ? odd[r][t] : sum[r][t];
+          second = _mm512_dpbusd_epi32(second, v1, _mm512_set1_epi32(xq[1]));
         }
       }
     }
@@ -437,9 +439,10 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
       const __m512 sv = halves16(scales + at), mv = halves16(mins + at);
       for (int r = 0; r < R; ++r) {
         const int64_t row_sub = (m0 + r) * num_sub + b;
+        const __m512i s = kSplit ? _mm512_add_epi32(sum[r][t], odd[r][t]) : sum[r][t];
         const __m512 inner = _mm512_fmadd_ps(
             mv, _mm512_set1_ps(static_cast<float>(qx.csum[row_sub])),
-            _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r][t]), sv));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(s), sv));
         acc[r][t] = _mm512_fmadd_ps(inner, _mm512_set1_ps(qx.dx[row_sub]), acc[r][t]);
       }
     }
@@ -452,6 +455,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
 template <int R, int T>
 void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::RowCodes8& qx,
                 int64_t m0, int64_t j0, const Dims16& d, float* out) {
+  constexpr bool kSplit = R * T <= 2;
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 512;
   const int64_t subs_per_group = d.G / kSub;
@@ -465,16 +469,17 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_sub; ++b) {
-    __m512i sum[R][T];
+    __m512i sum[R][T][2];  // a small tile: two chains (even and odd c), joined after
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+      for (int t = 0; t < T; ++t) sum[r][t][0] = sum[r][t][1] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
       for (int t = 0; t < T; ++t) {
         const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 512 + c * 64);
         const __m512i u = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, w), top_bits);
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = qx.quads.data() + ((m0 + r) * d.K + b * kSub) / 4;
-          sum[r][t] = _mm512_dpbusd_epi32(sum[r][t], u, _mm512_set1_epi32(xq[c]));
+          const int chain = kSplit ? c % 2 : 0;
+          sum[r][t][chain] = _mm512_dpbusd_epi32(sum[r][t][chain], u, _mm512_set1_epi32(xq[c]));
         }
       }
     }
@@ -483,7 +488,8 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
       const __m512 sv = halves16(scales + ((j0 + t) * num_groups + g) * kLanes);
       for (int r = 0; r < R; ++r) {
         const int64_t row_sub = (m0 + r) * num_sub + b;
-        const __m512i s = _mm512_sub_epi32(sum[r][t], _mm512_set1_epi32(128 * qx.csum[row_sub]));
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(sum[r][t][0], sum[r][t][1]),
+                                           _mm512_set1_epi32(128 * qx.csum[row_sub]));
         acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sv),
                                     _mm512_set1_ps(qx.dx[row_sub]), acc[r][t]);
       }
