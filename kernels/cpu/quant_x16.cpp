@@ -1,6 +1,7 @@
 // Matmuls over packed 4-bit and 8-bit weights in a 16-row interleaved layout, for CPUs with
 // AVX-512 (F, BW, VL) and VNNI; activations float32 in and out, quantized inside to int16
-// codes with one step per row, as quant_matmul.cpp's act_bits 16.
+// codes with one step per row, as quant_matmul.cpp's act_bits 16, or with act_bits 8 to
+// int8 codes with a step per 32 (see "The 8-bit activation path" below).
 //
 // M = activation rows, K = input features, N = output features (weight rows), G = group size,
 // NB = N / 16 (blocks of 16 weight rows), SB = K / 32 (sub-blocks of 32 elements).

@@ -7,7 +7,9 @@ AVX2 path passes the same tests too, from a build of its own (the last test).
 The kernel takes int16 codes of x with one step per row (dx = max |x| / 32767) and sums each
 group's code products exactly in int32, so its error is the activation rounding's, at most
 dx / 2 times the sum of |code * scale| over the row, plus float32 slack for the order of
-the per-group terms and the min term (computed from the float sum of x)."""
+the per-group terms and the min term (computed from the float sum of x). With act_bits 8
+(AVX-512 VNNI) x takes int8 codes per 32 values, and the result is held to the float64
+product of those codes."""
 
 from __future__ import annotations
 

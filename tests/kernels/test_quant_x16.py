@@ -6,7 +6,8 @@ register's lanes) against the float64 reference, the rows-layout kernels and the
 The x16 kernels take int16 codes of x with one step per row, as the rows kernels' act_bits
 16, and sum each sub-block's code products exactly in int32; only the float32 order of the
 per-sub-block terms differs. So the error bound and tolerance are test_quant_matmul.py's for
-act_bits 16, and the two kernels agree far inside them.
+act_bits 16, and the two kernels agree far inside them. With act_bits 8 they take int8
+codes per 32 elements and are held to the float64 product of those codes.
 """
 
 from __future__ import annotations
