@@ -258,7 +258,7 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
 // chunk, LO * (P2 - P) = 8 bits apart, so one shift and one mask leave pair P's codes in the
 // low bytes of lane i's two words and pair P2's in the high bytes: bytes u[2P], u[2P2],
 // u[2P + 1], u[2P2 + 1]. x's codes are stored in that order (a quad per 32-bit word), 8 quads
-// per sub-block. A high plane's fields are moved to bits LO and LO + 8 with one shift when
+// per sub-block (x8_quantize_rows, quant_x16.cpp). A high plane's fields are moved to bits LO and LO + 8 with one shift when
 // they lie 8 bits apart (8-bit codes), else two shifts and a blend. Per group g of sub-block
 // b, in float32: acc += dx_b * (S_g * (d * sc) + sign * (dmin * m) * C_g), where S_g is the
 // exact int32 sum of (u - bias) x and C_g the sum of x's codes over the group.
