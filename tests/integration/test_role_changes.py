@@ -14,7 +14,6 @@ afterwards every KV pool is free and no lease is held.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 from collections.abc import Iterator
@@ -92,18 +91,13 @@ async def set_role(stack: Stack, worker_id: str, role: str) -> str:
     return out.decode().strip()
 
 
-async def busiest_decode_worker(stack: Stack) -> str:
-    """The decode worker running the most streams now (``pdserve status --json``). Where the
-    gateway sends a moved stream is its own choice (a worker that has just come back to the
-    decode role may not be in its view yet), so a fixed worker to flip can end up holding
-    nothing while the other holds every stream."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdserve", "status", "--target", stack.target, "--json",
-        env=stack.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await process.communicate()
-    assert process.returncode == 0, err.decode()
-    running = {w["id"]: w["running"] for w in json.loads(out) if w["id"] in DECODE_WORKERS}
+async def busiest_decode_worker(client: GatewayClient) -> str:
+    """The decode worker running the most streams now (the gateway's cluster status, as
+    ``pdserve status`` reads it). Where the gateway sends a moved stream is its own choice (a
+    worker that has just come back to the decode role may not be in its view yet), so a
+    fixed worker to flip can end up holding nothing while the other holds every stream."""
+    reply = await client.cluster_status()
+    running = {w.worker_id: w.num_running_requests for w in reply.workers}
     return max(DECODE_WORKERS, key=lambda worker_id: running.get(worker_id, 0))
 
 
@@ -126,7 +120,7 @@ def test_role_flips_under_load_lose_and_alter_nothing(role_stack: Stack) -> None
         moved_by_flips.clear()
         flipped_workers.clear()
         for _ in range(NUM_FLIPS):
-            leaving = await busiest_decode_worker(role_stack)
+            leaving = await busiest_decode_worker(client)
             flipped_workers.append(leaving)
             for moves in forward_and_back(leaving):
                 running = not all(s.done() for s in streams)
