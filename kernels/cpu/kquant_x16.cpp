@@ -69,6 +69,30 @@ struct Dims {
   int64_t num_blocks() const { return N / kLanes; }
 };
 
+// Rows [m0, m0 + rows) (at most kMaxRows) against units [j0, j1) (n-blocks, or the AVX2
+// path's halves of them), tile by tile: a lone row takes Single units a pass, 2-4 rows take
+// 2, and the remainder goes one unit at a time; tile.operator()<R, T>(j) runs one tile.
+template <int Single, typename Tile>
+void each_tile(int rows, int64_t j0, int64_t j1, const Tile& tile) {
+  int64_t j = j0;
+#define PDSERVE_TILE(R, T) tile.template operator()<R, T>(j)
+  switch (rows) {
+    case 1: for (; j + Single <= j1; j += Single) PDSERVE_TILE(1, Single); break;
+    case 2: for (; j + 2 <= j1; j += 2) PDSERVE_TILE(2, 2); break;
+    case 3: for (; j + 2 <= j1; j += 2) PDSERVE_TILE(3, 2); break;
+    default: for (; j + 2 <= j1; j += 2) PDSERVE_TILE(4, 2); break;
+  }
+  for (; j < j1; ++j) {
+    switch (rows) {
+      case 1: PDSERVE_TILE(1, 1); break;
+      case 2: PDSERVE_TILE(2, 1); break;
+      case 3: PDSERVE_TILE(3, 1); break;
+      default: PDSERVE_TILE(4, 1); break;
+    }
+  }
+#undef PDSERVE_TILE
+}
+
 #ifdef PDSERVE_KQ16
 
 inline __m512i pair_of(const int16_t* p) {  // (p[0], p[1]) in every 32-bit lane
@@ -208,23 +232,9 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
 template <int LO, int HI, int G>
 void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
              int64_t m0, int rows, int64_t j0, int64_t j1, const Dims& dims, float* out) {
-  int64_t j = j0;
-#define PDSERVE_KQ_TILE(R, T) kq_tile<LO, HI, G, R, T>(w, qx, csum, m0, j, dims, out)
-  switch (rows) {
-    case 1: for (; j + 4 <= j1; j += 4) PDSERVE_KQ_TILE(1, 4); break;
-    case 2: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(2, 2); break;
-    case 3: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(3, 2); break;
-    default: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(4, 2); break;
-  }
-  for (; j < j1; ++j) {
-    switch (rows) {
-      case 1: PDSERVE_KQ_TILE(1, 1); break;
-      case 2: PDSERVE_KQ_TILE(2, 1); break;
-      case 3: PDSERVE_KQ_TILE(3, 1); break;
-      default: PDSERVE_KQ_TILE(4, 1); break;
-    }
-  }
-#undef PDSERVE_KQ_TILE
+  each_tile<4>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
+    kq_tile<LO, HI, G, R, T>(w, qx, csum, m0, j, dims, out);
+  });
 }
 
 using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
@@ -420,23 +430,9 @@ void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
 template <int LO, int HI, int G>
 void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int rows, int64_t j0,
                 int64_t j1, const Dims& dims, float* out) {
-  int64_t j = j0;
-#define PDSERVE_KQ_TILE(R, T) kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out)
-  switch (rows) {
-    case 1: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(1, 2); break;
-    case 2: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(2, 2); break;
-    case 3: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(3, 2); break;
-    default: for (; j + 2 <= j1; j += 2) PDSERVE_KQ_TILE(4, 2); break;
-  }
-  for (; j < j1; ++j) {
-    switch (rows) {
-      case 1: PDSERVE_KQ_TILE(1, 1); break;
-      case 2: PDSERVE_KQ_TILE(2, 1); break;
-      case 3: PDSERVE_KQ_TILE(3, 1); break;
-      default: PDSERVE_KQ_TILE(4, 1); break;
-    }
-  }
-#undef PDSERVE_KQ_TILE
+  each_tile<2>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
+    kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out);
+  });
 }
 
 using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, int64_t, int, int64_t, int64_t,
@@ -639,23 +635,9 @@ void kq_tile8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_
 template <int LO, int HI, int G>
 void kq_rows8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
               int64_t m0, int rows, int64_t h0, int64_t h1, const Dims& dims, float* out) {
-  int64_t h = h0;
-#define PDSERVE_KQ8_TILE(R, T) kq_tile8<LO, HI, G, R, T>(w, qx, csum, m0, h, dims, out)
-  switch (rows) {
-    case 1: for (; h + 4 <= h1; h += 4) PDSERVE_KQ8_TILE(1, 4); break;
-    case 2: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(2, 2); break;
-    case 3: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(3, 2); break;
-    default: for (; h + 2 <= h1; h += 2) PDSERVE_KQ8_TILE(4, 2); break;
-  }
-  for (; h < h1; ++h) {
-    switch (rows) {
-      case 1: PDSERVE_KQ8_TILE(1, 1); break;
-      case 2: PDSERVE_KQ8_TILE(2, 1); break;
-      case 3: PDSERVE_KQ8_TILE(3, 1); break;
-      default: PDSERVE_KQ8_TILE(4, 1); break;
-    }
-  }
-#undef PDSERVE_KQ8_TILE
+  each_tile<4>(rows, h0, h1, [&]<int R, int T>(int64_t h) {
+    kq_tile8<LO, HI, G, R, T>(w, qx, csum, m0, h, dims, out);
+  });
 }
 
 using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
