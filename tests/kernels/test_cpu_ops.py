@@ -322,21 +322,33 @@ def test_both_task_splits_agree(ops: ModuleType) -> None:
     torch.testing.assert_close(by_kv_head, by_q_head, rtol=1e-6, atol=1e-6)
 
 
+# (sequence lengths, each row's sequence, each row's length): short contexts (one partition
+# of the AVX-512 path), and long ones whose verify group crosses partition boundaries (256,
+# 512) and whose rows span up to three partitions, joined from partial results.
+_ROW_CASES = {
+    "short": ([65, 7, 33], [0, 0, 0, 0, 0, 1, 0, 2], [61, 62, 63, 64, 65, 7, 61, 33]),
+    "long": ([600, 7, 300], [0, 0, 0, 0, 0, 1, 0, 2, 0, 0],
+             [254, 255, 256, 257, 258, 7, 254, 300, 511, 513]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ROW_CASES))
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 attention path is not built here")
 def test_a_row_computes_the_same_bits_alone_in_a_verify_group_and_in_a_batch(
-    ops: ModuleType, block_size: int, window: int
+    ops: ModuleType, block_size: int, window: int, case: str
 ) -> None:
     """A speculative verify is rows of one sequence (one table, lengths one apart) that
     the AVX-512 path serves together; each row's output must be the bits that row gives
-    alone, on any thread count, so verified tokens are plain decoding's. Rows: sequence A
-    at 61..65 (a group), B at 7, A at 61 again (another group), C at 33."""
+    alone, on any thread count, so verified tokens are plain decoding's. Short rows:
+    sequence A at 61..65 (a group), B at 7, A at 61 again (another group), C at 33; long
+    rows: A across the partition boundary at 256, B, C, A at 511 and 513."""
+    seq_lens, rows, row_lens = _ROW_CASES[case]
     gen = _gen(11)
-    k_cache, v_cache, tables, dense_k, dense_v = _paged_cache([65, 7, 33], 2, 64, block_size,
+    k_cache, v_cache, tables, dense_k, dense_v = _paged_cache(seq_lens, 2, 64, block_size,
                                                               0, gen)  # fmt: skip
-    rows = [0, 0, 0, 0, 0, 1, 0, 2]
-    lens = torch.tensor([61, 62, 63, 64, 65, 7, 61, 33], dtype=torch.int32)
+    lens = torch.tensor(row_lens, dtype=torch.int32)
     q = torch.randn(len(rows), 6, 64, generator=gen)
     table_rows = tables[rows].contiguous()
     with num_threads(2):
