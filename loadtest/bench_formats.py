@@ -2,11 +2,13 @@
 (``--quantization none``) as the baseline, then each quantized checkpoint given, and where
 a GGUF file is given and llama.cpp's ``llama-bench`` is built, llama.cpp on the same file.
 
-For each: weight bytes as held, single-stream decode tokens/s (a 32-token prompt, then
-``--tokens`` greedy tokens, one sequence; the time from its first token to its last), and
-16-stream decode tokens/s (16 such sequences at once, all tokens after each sequence's
-first over the wall time from the last prefill). llama-bench's ``tg`` figure is its
-single-stream decode (``-p 0 -n TOKENS``, same thread count).
+For each: weight bytes as held, single-stream decode tokens/s (a ``--prompt``-token prompt,
+32 by default, then ``--tokens`` greedy tokens, one sequence; the time from its first token
+to its last), and 16-stream decode tokens/s (16 such sequences at once, all tokens after
+each sequence's first over the wall time from the last prefill). llama-bench's ``tg``
+figure is its single-stream decode after a context of the same length (``-p 0 -n TOKENS
+-d PROMPT``, same thread count). A long ``--prompt`` (1000) shows what attention over the
+context costs each format.
 
     .venv/bin/python loadtest/bench_formats.py --float ~/.cache/pdserve/models/SmolLM2-135M-Instruct \\
         --format w4a16=~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct-bf16-w4a16-g64 \\
@@ -38,18 +40,18 @@ from common.engine.engine import Engine
 from common.models.default_model import resolve_model
 from common.models.quant.load import weight_bytes
 
-PROMPT = 32
+PROMPT = 32  # prompt tokens per stream by default (--prompt)
 STREAMS = 16
 
 
-def run(engine: Engine, streams: int, tokens: int, seed: int) -> float:
+def run(engine: Engine, streams: int, tokens: int, seed: int, prompt_len: int = PROMPT) -> float:
     """Decode tokens/s of ``streams`` sequences of ``tokens`` each: the tokens of the steps
     after every sequence has its first token, over those steps' time."""
     rng = torch.Generator().manual_seed(seed)
     vocab = engine.runner.model.spec.vocab_size
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for i in range(streams):
-        prompt = torch.randint(100, vocab, (PROMPT,), generator=rng).tolist()
+        prompt = torch.randint(100, vocab, (prompt_len,), generator=rng).tolist()
         engine.add_request(f"s{seed}-{i}", prompt, params)
     started: set[str] = set()
     start, decoded, end = 0.0, 0, 0.0
@@ -65,17 +67,19 @@ def run(engine: Engine, streams: int, tokens: int, seed: int) -> float:
     return decoded / max(1e-9, end - start)
 
 
-def measure(label: str, model: str, quantization: str, tokens: int) -> dict[str, Any]:
+def measure(
+    label: str, model: str, quantization: str, tokens: int, prompt_len: int
+) -> dict[str, Any]:
     quantization, _, act = quantization.partition("+a")
     config = EngineConfig(model=resolve_model(model), device="cpu", quantization=quantization,
-                          kv_cache_memory="512MiB", max_num_seqs=STREAMS,
+                          kv_cache_memory="2GiB", max_num_seqs=STREAMS,
                           quant_act_bits=int(act or 16))  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
     load_s = time.perf_counter() - start
     run(engine, 1, 8, seed=99)  # warm-up
-    single = max(run(engine, 1, tokens, seed=s) for s in range(3))
-    multi = run(engine, STREAMS, tokens // 2, seed=7)
+    single = max(run(engine, 1, tokens, seed=s, prompt_len=prompt_len) for s in range(3))
+    multi = run(engine, STREAMS, tokens // 2, seed=7, prompt_len=prompt_len)
     return {
         "label": label, "model": model, "format": engine.runner.weight_format.describe(),
         "weight_mb": round(weight_bytes(engine.runner.model) / 2**20, 1),
@@ -84,12 +88,15 @@ def measure(label: str, model: str, quantization: str, tokens: int) -> dict[str,
     }  # fmt: skip
 
 
-def llama_bench(binary: Path, gguf: str, tokens: int, threads: int) -> float | None:
+def llama_bench(
+    binary: Path, gguf: str, tokens: int, threads: int, prompt_len: int
+) -> float | None:
     # llama.cpp's OpenMP threads wait actively between its barriers; the passive policy the
     # engine asks for (common/openmp.py) cost it 3-4x here, so it runs without it.
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     done = subprocess.run(
-        [str(binary), "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-o", "json"],
+        [str(binary), "-m", gguf, "-p", "0", "-n", str(tokens), "-d", str(prompt_len),
+         "-t", str(threads), "-o", "json"],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     if done.returncode:
@@ -104,6 +111,7 @@ def main() -> None:
     parser.add_argument("--float", required=True, help="the float checkpoint (the baseline)")
     parser.add_argument("--format", action="append", default=[], help="LABEL=PATH[@quantization]")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per stream")
     parser.add_argument("--llama-bench", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=None)
@@ -116,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.measure:
         label, path, quantization = json.loads(args.measure)
-        print("RESULT " + json.dumps(measure(label, path, quantization, args.tokens)))
+        print("RESULT " + json.dumps(measure(label, path, quantization, args.tokens, args.prompt)))
         return
     specs = [("float32", args.float, "none")]
     for spec in args.format:
@@ -127,7 +135,7 @@ def main() -> None:
     # llama.cpp first, alone; then each format in a process of its own (an engine's kernel
     # threads must not share the cores with the next measurement).
     tg = {
-        path: llama_bench(args.llama_bench, path, args.tokens, args.threads)
+        path: llama_bench(args.llama_bench, path, args.tokens, args.threads, args.prompt)
         for _, path, _ in specs if args.llama_bench and path.endswith(".gguf")
     }  # fmt: skip
     rounds: list[list[dict[str, Any]]] = [[] for _ in specs]
@@ -135,6 +143,7 @@ def main() -> None:
         for (label, path, quantization), done_rounds in zip(specs, rounds, strict=True):
             done = subprocess.run(
                 [sys.executable, __file__, "--float", args.float, "--tokens", str(args.tokens),
+                 "--prompt", str(args.prompt),
                  "--measure", json.dumps([label, path, quantization])],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
@@ -155,7 +164,8 @@ def main() -> None:
          for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
         "?",
     )  # fmt: skip
-    print(f"CPU: {cpu}, {args.threads} threads; {args.tokens} tokens per stream")
+    print(f"CPU: {cpu}, {args.threads} threads; {args.prompt}-token prompts, "
+          f"{args.tokens} tokens per stream")  # fmt: skip
     print(f"{'format':<12} {'MB':>7} {'1 stream':>9} {'x float':>8} {f'{STREAMS} streams':>11} "
           f"{'x float':>8} {'llama-bench':>12}  layout")  # fmt: skip
     for r in rows:
