@@ -8,7 +8,8 @@ to its last), and 16-stream decode tokens/s (16 such sequences at once, all toke
 each sequence's first over the wall time from the last prefill). llama-bench's ``tg``
 figure is its single-stream decode after a context of the same length (``-p 0 -n TOKENS
 -d PROMPT``, same thread count). A long ``--prompt`` (1000) shows what attention over the
-context costs each format.
+context costs each format; ``--kv-dtype float16`` keeps the KV cache in half the bytes (as
+llama.cpp keeps its own).
 
     .venv/bin/python loadtest/bench_formats.py --float ~/.cache/pdserve/models/SmolLM2-135M-Instruct \\
         --format w4a16=~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct-bf16-w4a16-g64 \\
@@ -68,11 +69,11 @@ def run(engine: Engine, streams: int, tokens: int, seed: int, prompt_len: int = 
 
 
 def measure(
-    label: str, model: str, quantization: str, tokens: int, prompt_len: int
+    label: str, model: str, quantization: str, tokens: int, prompt_len: int, kv_dtype: str
 ) -> dict[str, Any]:
     quantization, _, act = quantization.partition("+a")
     config = EngineConfig(model=resolve_model(model), device="cpu", quantization=quantization,
-                          kv_cache_memory="2GiB", max_num_seqs=STREAMS,
+                          kv_cache_memory="2GiB", max_num_seqs=STREAMS, kv_dtype=kv_dtype,
                           quant_act_bits=int(act or 16))  # fmt: skip
     start = time.perf_counter()
     engine = Engine(config)
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--format", action="append", default=[], help="LABEL=PATH[@quantization]")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per stream")
+    parser.add_argument("--kv-dtype", default="auto", help="every engine's KV cache dtype")
     parser.add_argument("--llama-bench", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=None)
@@ -124,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.measure:
         label, path, quantization = json.loads(args.measure)
-        print("RESULT " + json.dumps(measure(label, path, quantization, args.tokens, args.prompt)))
+        print("RESULT " + json.dumps(measure(label, path, quantization, args.tokens, args.prompt,
+                                               args.kv_dtype)))
         return
     specs = [("float32", args.float, "none")]
     for spec in args.format:
@@ -143,7 +146,7 @@ def main() -> None:
         for (label, path, quantization), done_rounds in zip(specs, rounds, strict=True):
             done = subprocess.run(
                 [sys.executable, __file__, "--float", args.float, "--tokens", str(args.tokens),
-                 "--prompt", str(args.prompt),
+                 "--prompt", str(args.prompt), "--kv-dtype", args.kv_dtype,
                  "--measure", json.dumps([label, path, quantization])],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
@@ -165,7 +168,7 @@ def main() -> None:
         "?",
     )  # fmt: skip
     print(f"CPU: {cpu}, {args.threads} threads; {args.prompt}-token prompts, "
-          f"{args.tokens} tokens per stream")  # fmt: skip
+          f"{args.tokens} tokens per stream, KV cache {args.kv_dtype}")  # fmt: skip
     print(f"{'format':<12} {'MB':>7} {'1 stream':>9} {'x float':>8} {f'{STREAMS} streams':>11} "
           f"{'x float':>8} {'llama-bench':>12}  layout")  # fmt: skip
     for r in rows:

@@ -103,6 +103,26 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
 
+// Cache elements: float32, or float16 / bfloat16 converted exactly to float32 on the load
+// (16 elements to a register), so the arithmetic after the load is the same for all three.
+struct F32 {
+  using type = float;
+  static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+};
+struct F16 {
+  using type = uint16_t;
+  static __m512 load16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+struct BF16 {
+  using type = uint16_t;
+  static __m512 load16(const uint16_t* p) {  // bfloat16 is float32's top half
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+};
+
 // A row's context is taken in partitions of kPartition positions at absolute positions
 // (k kPartition, (k + 1) kPartition): a task reads one partition of one kv head's keys and
 // values for every query head of the group, and a row whose context spans several
@@ -120,19 +140,19 @@ struct Query {
   float inv;       // 1 / the partition's sum of exps
 };
 
-// Scores of up to 16 keys at consecutive slots (from ``keys``, ``row`` floats apart) for one
-// query: scale * q . k in lanes [0, count).
-template <int NV>
-inline __m512 chunk_scores(const float* q, const float* keys, int64_t row, int count,
+// Scores of up to 16 keys at consecutive slots (from ``keys``, ``row`` elements apart) for
+// one query: scale * q . k in lanes [0, count).
+template <int NV, typename E>
+inline __m512 chunk_scores(const float* q, const typename E::type* keys, int64_t row, int count,
                            float scale) {
   __m512 qv[NV];
   for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) {
     if (j < count) {
-      const float* k = keys + j * row;
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+      const typename E::type* k = keys + j * row;
+      __m512 a = _mm512_mul_ps(qv[0], E::load16(k));
+      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(qv[c], E::load16(k + 16 * c), a);
       acc[j] = a;
     } else {
       acc[j] = _mm512_setzero_ps();
@@ -165,24 +185,26 @@ inline std::pair<float, float> exp_scores(float* scores, int64_t n) {
   return {mx, _mm512_reduce_add_ps(total)};
 }
 
-// Prefetches the head rows (NV lines each) of positions [p0, p1) through the block table:
-// T0 for keys wanted next, T1 for values wanted after the scores.
-template <int NV, int Hint>
-inline void prefetch_rows(const float* cache, int64_t row, const int32_t* table, int shift,
-                          int64_t p0, int64_t p1) {
+// Prefetches the head rows (16 NV elements each) of positions [p0, p1) through the block
+// table: T0 for keys wanted next, T1 for values wanted after the scores.
+template <int NV, typename E, int Hint>
+inline void prefetch_rows(const typename E::type* cache, int64_t row, const int32_t* table,
+                          int shift, int64_t p0, int64_t p1) {
+  constexpr int kLines = (NV * 16 * static_cast<int>(sizeof(typename E::type)) + 63) / 64;
   const int64_t block = int64_t{1} << shift;
   for (int64_t p = p0; p < p1; ++p) {
     const char* at = reinterpret_cast<const char*>(
         cache + ((static_cast<int64_t>(table[p >> shift]) << shift) + (p & (block - 1))) * row);
-    for (int c = 0; c < NV; ++c) _mm_prefetch(at + 64 * c, static_cast<_mm_hint>(Hint));
+    for (int c = 0; c < kLines; ++c) _mm_prefetch(at + 64 * c, static_cast<_mm_hint>(Hint));
   }
 }
 
 // One task: queries [0, n) (non-empty ranges) over one partition of a shared block table
 // (positions of one sequence) starting at position ``base``; NV = D / 16.
-template <int NV>
-void attend(Query* queries, int n, int64_t base, const float* keys, const float* values,
-            int64_t row, const int32_t* table, int shift, float scale) {
+template <int NV, typename E>
+void attend(Query* queries, int n, int64_t base, const typename E::type* keys,
+            const typename E::type* values, int64_t row, const int32_t* table, int shift,
+            float scale) {
   constexpr int kPass = kQueriesPerPass<NV>;
   const int64_t block = int64_t{1} << shift;
   int64_t lo = queries[0].first, hi = queries[0].len;
@@ -199,9 +221,9 @@ void attend(Query* queries, int n, int64_t base, const float* keys, const float*
       const int count = static_cast<int>(std::min<int64_t>({16, block - c, hi - p0}));
       // The block table scatters the context: the next chunk's keys and this chunk's values
       // are fetched while this chunk's scores are computed.
-      prefetch_rows<NV, _MM_HINT_T0>(keys, row, table, shift, p0 + count,
-                                     std::min(p0 + count + 16, hi));
-      prefetch_rows<NV, _MM_HINT_T1>(values, row, table, shift, p0, p0 + count);
+      prefetch_rows<NV, E, _MM_HINT_T0>(keys, row, table, shift, p0 + count,
+                                        std::min(p0 + count + 16, hi));
+      prefetch_rows<NV, E, _MM_HINT_T1>(values, row, table, shift, p0, p0 + count);
       for (int i = 0; i < n; ++i) {
         Query& qr = queries[i];
         const int64_t from = std::max(p0, qr.first), to = std::min(p0 + count, qr.len);
@@ -210,7 +232,8 @@ void attend(Query* queries, int n, int64_t base, const float* keys, const float*
         const __mmask16 lanes = static_cast<__mmask16>(((1u << (to - p0)) - 1) &
                                                        ~((1u << (from - p0)) - 1));
         _mm512_mask_storeu_ps(qr.scores + (p0 - base), lanes,
-                              chunk_scores<NV>(qr.q, keys + (slot0 + c) * row, row, count, scale));
+                              chunk_scores<NV, E>(qr.q, keys + (slot0 + c) * row, row, count,
+                                                  scale));
       }
     }
   }
@@ -242,10 +265,10 @@ void attend(Query* queries, int n, int64_t base, const float* keys, const float*
       }
     }
     for (int64_t p = from; p < to; ++p) {
-      const float* v = values + ((static_cast<int64_t>(table[p >> shift]) << shift) +
-                                 (p & (block - 1))) * row;
+      const typename E::type* v =
+          values + ((static_cast<int64_t>(table[p >> shift]) << shift) + (p & (block - 1))) * row;
       __m512 vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int c = 0; c < NV; ++c) vv[c] = E::load16(v + 16 * c);
       for (int i = 0; i < kPass; ++i) {
         if (p < first[i] || p >= len[i]) continue;
         const __m512 w = _mm512_set1_ps(weights[i][p]);
@@ -289,12 +312,21 @@ void join_partials(const float* partials, int64_t count, int64_t d, float* out) 
 
 namespace pdserve_cpu {
 
-bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64_t hq,
-                          int64_t hkv, int64_t d, const float* k_cache, const float* v_cache,
-                          int shift, const int32_t* tables, int64_t m, const int32_t* lens,
-                          float scale, int64_t window, float* out) {
+bool attention_x16_takes(int64_t d) {
 #ifdef PDSERVE_ATTN16
-  if (d % 16 != 0 || d / 16 > kMaxVectors) return false;
+  return d % 16 == 0 && d / 16 <= kMaxVectors;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64_t hq,
+                          int64_t hkv, int64_t d, const void* k_cache, const void* v_cache,
+                          KvElement element, int shift, const int32_t* tables, int64_t m,
+                          const int32_t* lens, float scale, int64_t window, float* out) {
+#ifdef PDSERVE_ATTN16
+  if (!attention_x16_takes(d)) return false;
   const int nv = static_cast<int>(d / 16);
   const int64_t group = hq / hkv, row = hkv * d;
   const int64_t part = std::max<int64_t>(kPartition, int64_t{1} << shift);
@@ -367,9 +399,19 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
         }
         if (queries.empty()) continue;
         const auto run = [&](auto nv) {
-          attend<decltype(nv)::value>(queries.data(), static_cast<int>(queries.size()), base,
-                                      k_cache + kvh * d, v_cache + kvh * d, row,
-                                      tables + task.r0 * m, shift, scale);
+          const auto with = [&](auto element_type) {
+            using E = decltype(element_type);
+            using T = typename E::type;
+            attend<decltype(nv)::value, E>(
+                queries.data(), static_cast<int>(queries.size()), base,
+                static_cast<const T*>(k_cache) + kvh * d, static_cast<const T*>(v_cache) + kvh * d,
+                row, tables + task.r0 * m, shift, scale);
+          };
+          switch (element) {
+            case KvElement::kHalf: with(F16{}); break;
+            case KvElement::kBFloat16: with(BF16{}); break;
+            default: with(F32{}); break;
+          }
         };
         switch (nv) {
           case 1: run(std::integral_constant<int, 1>{}); break;
@@ -401,8 +443,8 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
   return true;
 #else
   (void)q, (void)q_row_stride, (void)b, (void)hq, (void)hkv, (void)d, (void)k_cache;
-  (void)v_cache, (void)shift, (void)tables, (void)m, (void)lens, (void)scale, (void)window;
-  (void)out;
+  (void)v_cache, (void)element, (void)shift, (void)tables, (void)m, (void)lens, (void)scale;
+  (void)window, (void)out;
   return false;
 #endif
 }

@@ -98,12 +98,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
                                      int64_t window);
-// decode_attention_x16.cpp: paged_decode_attention's AVX-512 path on raw pointers; false
-// (nothing written) where it is not compiled in or D is not a multiple of 16 up to 128.
+// decode_attention_x16.cpp: paged_decode_attention's AVX-512 path on raw pointers to caches
+// of float32, float16 or bfloat16 elements; false (nothing written) where it is not compiled
+// in or D is not a multiple of 16 up to 128.
+enum class KvElement { kFloat, kHalf, kBFloat16 };
 bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64_t hq,
-                          int64_t hkv, int64_t d, const float* k_cache, const float* v_cache,
-                          int shift, const int32_t* tables, int64_t m, const int32_t* lens,
-                          float scale, int64_t window, float* out);
+                          int64_t hkv, int64_t d, const void* k_cache, const void* v_cache,
+                          KvElement element, int shift, const int32_t* tables, int64_t m,
+                          const int32_t* lens, float scale, int64_t window, float* out);
+// Whether decode_attention_x16 serves head dim d (it is compiled in and d fits it).
+bool attention_x16_takes(int64_t d);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 
 }  // namespace pdserve_cpu

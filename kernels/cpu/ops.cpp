@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -217,12 +218,36 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
 // -- KV write ---------------------------------------------------------------------------------
 
 // k, v: [T, Hkv, D] (rows may be strided); caches [N, S, Hkv, D] contiguous; slots [T] int64.
+namespace {
+
+// A KV cache's element type: float32, or float16 / bfloat16 (half the bytes; values are
+// rounded to nearest even on the write, as torch's .to() rounds them, and read exactly).
+void check_kv_cache(const torch::Tensor& t, const char* name) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (type == torch::kFloat32 || type == torch::kFloat16 ||
+                                      type == torch::kBFloat16),
+              name, " must be a float32, float16 or bfloat16 CPU tensor");
+}
+
+template <typename T>
+void store_row(const float* from, int64_t n, T* to) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(from, n, to);
+  } else {
+    for (int64_t i = 0; i < n; ++i) to[i] = static_cast<T>(from[i]);
+  }
+}
+
+}  // namespace
+
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& slots) {
   check_f32(k, "k");
   check_f32(v, "v");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  check_kv_cache(k_cache, "k_cache");
+  check_kv_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must have one dtype");
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && k.stride(1) == k.size(2) && v.dim() == 3 &&
                   v.stride(2) == 1 && v.stride(1) == v.size(2) && k.sizes() == v.sizes(),
               "k and v must be [T, Hkv, D] with contiguous heads");
@@ -236,12 +261,22 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(0 <= sp[i] && sp[i] < num_slots, "slot ", sp[i], " is outside the cache");
-    std::copy_n(kp + i * k.stride(0), row, kc + sp[i] * row);
-    std::copy_n(vp + i * v.stride(0), row, vc + sp[i] * row);
+  const auto write = [&](auto* kc, auto* vc) {
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(0 <= sp[i] && sp[i] < num_slots, "slot ", sp[i], " is outside the cache");
+      store_row(kp + i * k.stride(0), row, kc + sp[i] * row);
+      store_row(vp + i * v.stride(0), row, vc + sp[i] * row);
+    }
+  };
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat16:
+      write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      break;
+    case torch::kBFloat16:
+      write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+      break;
+    default:
+      write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   }
 }
 
@@ -407,8 +442,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& seq_lens, double scale,
                                      int64_t window) {
   check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  check_kv_cache(k_cache, "k_cache");
+  check_kv_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must have one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [B, Hq, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -438,13 +475,23 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   }
   auto out = torch::empty({b, hq, d}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  if (pdserve_cpu::decode_attention_x16(qp, q.stride(0), b, hq, hkv, d, kc, vc, shift, tables,
-                                        m, lens, fscale, window, op))
+  const pdserve_cpu::KvElement element = k_cache.scalar_type() == torch::kFloat16
+                                             ? pdserve_cpu::KvElement::kHalf
+                                             : k_cache.scalar_type() == torch::kBFloat16
+                                                   ? pdserve_cpu::KvElement::kBFloat16
+                                                   : pdserve_cpu::KvElement::kFloat;
+  if (pdserve_cpu::decode_attention_x16(qp, q.stride(0), b, hq, hkv, d, k_cache.data_ptr(),
+                                        v_cache.data_ptr(), element, shift, tables, m, lens,
+                                        fscale, window, op))
     return out;
+  TORCH_CHECK(element == pdserve_cpu::KvElement::kFloat,
+              "a float16 or bfloat16 KV cache needs the AVX-512 attention path (built for this "
+              "CPU where it has AVX-512) and a head dim that is a multiple of 16 up to 128; "
+              "got head dim ", d, " (attention_takes() says which caches this build serves)");
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
   const int64_t row = hkv * d;  // floats per cache slot
   int64_t threads = at::get_num_threads();
   if (b * hkv >= 2 * threads) {
@@ -582,6 +629,15 @@ void register_ops(pybind11::module& m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; returns rms_norm(residual) * weight");
   m.def("rotary_", &rotary_, "rotates x [T, heads, D] in place by its positions");
   m.def("write_kv", &write_kv, "stores k and v [T, Hkv, D] at their cache slots");
+  m.def("attention_takes",
+        [](const torch::Tensor& cache) {
+          const auto type = cache.scalar_type();
+          if (type == torch::kFloat32) return true;
+          return (type == torch::kFloat16 || type == torch::kBFloat16) && cache.dim() == 4 &&
+                 pdserve_cpu::attention_x16_takes(cache.size(3));
+        },
+        "whether write_kv and paged_decode_attention take this KV cache [N, S, Hkv, D] "
+        "(float32 always; float16 / bfloat16 on the AVX-512 path)");
   m.def("paged_decode_attention", &paged_decode_attention,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "one query per sequence over its paged context");

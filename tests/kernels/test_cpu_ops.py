@@ -169,10 +169,17 @@ def test_rotary_argument_checks(ops: ModuleType) -> None:
 # -- KV write ---------------------------------------------------------------------------------
 
 
-def test_write_kv_stores_exactly_at_the_slots(ops: ModuleType) -> None:
+HALF_KV = (torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_KV])
+def test_write_kv_stores_exactly_at_the_slots(ops: ModuleType, dtype: torch.dtype) -> None:
+    """float32 caches hold k and v as they are; float16 / bfloat16 caches hold them rounded
+    as torch's .to() rounds them (to nearest even)."""
     gen = _gen(3)
     num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                         dtype=dtype)  # fmt: skip
     v_cache = k_cache.clone()
     num_tokens, num_q_heads = 7, 4
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
@@ -183,7 +190,9 @@ def test_write_kv_stores_exactly_at_the_slots(ops: ModuleType) -> None:
     ops.write_kv(k, v, k_cache, v_cache, slots)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    assert torch.equal(flat_k[slots], k.to(dtype)) and torch.equal(flat_v[slots], v.to(dtype))
+    if dtype != torch.float32:  # the rounding is not a truncation: some values round up
+        assert bool((flat_k[slots].float().abs() > k.abs()).any())
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     assert bool(flat_k[untouched].isnan().all()) and bool(flat_v[untouched].isnan().all())
@@ -198,6 +207,10 @@ def test_write_kv_argument_checks(ops: ModuleType) -> None:
         ops.write_kv(k, k, cache, cache.clone(), torch.tensor([0, 8, 2]))
     with pytest.raises(RuntimeError, match="slot_mapping must be int64"):
         ops.write_kv(k, k, cache, cache.clone(), torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="must be a float32, float16 or bfloat16"):
+        ops.write_kv(k, k, cache.to(torch.int8), cache.to(torch.int8), torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        ops.write_kv(k, k, cache, cache.half(), torch.tensor([0, 1, 2]))
     with pytest.raises(RuntimeError, match="do not match the cache"):
         ops.write_kv(torch.randn(3, 1, 8), torch.randn(3, 1, 8), cache, cache.clone(),
                      torch.tensor([0, 1, 2]))  # fmt: skip
@@ -367,6 +380,47 @@ def test_a_row_computes_the_same_bits_alone_in_a_verify_group_and_in_a_batch(
         assert (batch[i] - ref).abs().max().item() < 2e-5, i
 
 
+@pytest.mark.parametrize("dtype", HALF_KV)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 attention path is not built here")
+def test_a_half_cache_attends_as_a_float32_cache_of_its_values(
+    ops: ModuleType, dtype: torch.dtype, block_size: int
+) -> None:
+    """A float16 / bfloat16 cache is converted exactly on the load, so its attention is the
+    bits of the same kernel over a float32 cache of the same values: decodes, a verify group
+    and rows over several partitions, with and without a window, on 1 and 2 threads."""
+    gen = _gen(12)
+    k_cache, v_cache, tables, _, _ = _paged_cache([600, 7, 300], 3, 64, block_size, 0, gen)
+    k_half, v_half = k_cache.to(dtype), v_cache.to(dtype)
+    rows = [0, 0, 0, 1, 2, 0]
+    lens = torch.tensor([255, 256, 257, 7, 300, 600], dtype=torch.int32)
+    q = torch.randn(len(rows), 9, 64, generator=gen)
+    table_rows = tables[rows].contiguous()
+    assert ops.attention_takes(k_half)
+    for window in (0, 40):
+        for threads in (1, 2):
+            with num_threads(threads):
+                got = ops.paged_decode_attention(q, k_half, v_half, table_rows, lens, 0.125,
+                                                 window)  # fmt: skip
+                want = ops.paged_decode_attention(q, k_half.float(), v_half.float(), table_rows,
+                                                  lens, 0.125, window)  # fmt: skip
+            assert not got.isnan().any()
+            assert torch.equal(got, want), (window, threads)
+
+
+def test_half_caches_are_refused_where_the_avx512_path_cannot_take_them(ops: ModuleType) -> None:
+    """Head dim 20 is no multiple of 16: float32 caches take the other path, half ones are
+    refused with what to do (attention_takes says so first)."""
+    cache = torch.zeros(2, 4, 1, 20, dtype=torch.float16)
+    assert not ops.attention_takes(cache)
+    assert ops.attention_takes(cache.float())
+    q = torch.randn(1, 2, 20)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="needs the AVX-512 attention path"):
+        ops.paged_decode_attention(q, cache, cache, tables, lens, 0.2, 0)
+    ops.paged_decode_attention(q, cache.float(), cache.float(), tables, lens, 0.2, 0)
+
+
 def test_decode_matches_the_torch_backend(ops: ModuleType) -> None:
     """Against TorchAttentionBackend._decode (gather, mask, SDPA) on a cache without poison
     (its masked softmax would multiply poison by zero weights: NaN)."""
@@ -505,11 +559,17 @@ def test_the_sampler_takes_the_kernels_argmax_once_loaded(ops: ModuleType) -> No
 # -- the backend and the engine ---------------------------------------------------------------
 
 
-def test_cpp_backend_step_equals_torch_backend(ops: ModuleType) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, *HALF_KV])
+def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.dtype) -> None:
     """One mixed step (two decodes, a fresh prefill and a prefill after a cached prefix)
     through both backends' forward: the same cache contents bit for bit, outputs within
-    float32 rounding."""
+    float32 rounding. A float16 / bfloat16 cache: the same rounded contents, and the C++
+    output is the bits of its float32 path over those values (the torch backend's, which
+    attends over the step's own K/V unrounded, within the cache's rounding)."""
     from common.engine.attention.cpp_backend import CppAttentionBackend
+
+    if kv_dtype != torch.float32 and not _has_avx512():
+        pytest.skip("half KV caches take the C++ attention on the AVX-512 path only")
 
     gen = _gen(6)
     block_size, num_kv_heads, num_q_heads, head_dim, num_blocks = 4, 2, 6, 32, 24
@@ -519,7 +579,8 @@ def test_cpp_backend_step_equals_torch_backend(ops: ModuleType) -> None:
     contexts = {"d0": 8, "d1": 3, "p0": 0, "p1": 8}  # tokens already in the cache
     new = {"d0": 1, "d1": 1, "p0": 6, "p1": 5}
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
     slots = []
     for rid in tables:
         for pos in range(contexts[rid], contexts[rid] + new[rid]):
@@ -550,13 +611,23 @@ def test_cpp_backend_step_equals_torch_backend(ops: ModuleType) -> None:
         results = []
         for backend in (TorchAttentionBackend(window), CppAttentionBackend(window)):
             kv = LayerKV(k_cache.clone(), v_cache.clone())
+            if isinstance(backend, CppAttentionBackend):
+                assert backend.takes(kv)
             metadata = backend.prepare(batch, block_size)
             out = backend.forward(q, k, v, kv, metadata, head_dim**-0.5)
             results.append((out, kv))
         (want, want_kv), (got, got_kv) = results
         assert torch.equal(got_kv.k_cache, want_kv.k_cache)
         assert torch.equal(got_kv.v_cache, want_kv.v_cache)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if kv_dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            continue
+        backend = CppAttentionBackend(window)
+        kv = LayerKV(k_cache.float(), v_cache.float())
+        rounded = backend.forward(q, k.to(kv_dtype).float(), v.to(kv_dtype).float(), kv,
+                                  backend.prepare(batch, block_size), head_dim**-0.5)  # fmt: skip
+        assert torch.equal(got, rounded)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if kv_dtype == torch.bfloat16 else 2e-3)
 
 
 @pytest.fixture(scope="module")

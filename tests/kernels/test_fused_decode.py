@@ -88,6 +88,28 @@ def test_fused_decode_steps_equal_the_python_path_bit_for_bit(
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
+def _half_kv_attention() -> bool:
+    from kernels.cpu import load
+
+    return bool(load().attention_takes(torch.empty(1, 1, 1, 32, dtype=torch.float16)))
+
+
+@pytest.mark.skipif(not available() or not _half_kv_attention(),
+                    reason="half KV caches take the C++ attention on the AVX-512 path only")  # fmt: skip
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_fused_decode_takes_a_half_kv_cache_bit_for_bit(checkpoint: Path, kv_dtype: str) -> None:
+    """--kv-dtype float16 / bfloat16 on float32 activations: both paths write and read the
+    cache through the C++ kernels, the fused step bit for bit the Python one."""
+    python = tiny_engine(checkpoint, quantization="int4", quant_act_bits=16, fused_decode=False,
+                         kv_dtype=kv_dtype)  # fmt: skip
+    fused = tiny_engine(checkpoint, quantization="int4", quant_act_bits=16, fused_decode=True,
+                        kv_dtype=kv_dtype)  # fmt: skip
+    assert fused.runner.kv_dtype == getattr(torch, kv_dtype)
+    assert fused.runner.model.fused_decoder is not None
+    assert all(python.runner.backend.takes(kv) for kv in python.runner.layer_kv)  # type: ignore[attr-defined]
+    _assert_same_decode_steps(python, fused)
+
+
 def test_fused_decoder_stays_off_where_it_does_not_apply(tmp_path: Path) -> None:
     llama = make_tiny_checkpoint(tmp_path / "llama", "llama", intermediate_size=128)
     moe = make_tiny_checkpoint(

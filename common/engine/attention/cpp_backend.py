@@ -23,8 +23,11 @@ calls the same kernel.
 The results differ from the torch backend's by float rounding (other summation orders, an
 exp accurate to about 2e-7), which is why ``auto`` picks this backend only for quantized
 weights, where transformers' exact numerics are not the reference anyway, and the torch
-backend stays the bit-exact path for float weights. KV caches other than float32 (float16,
-int8, fp8) and activations other than float32 take the torch backend's ops.
+backend stays the bit-exact path for float weights. A float16 or bfloat16 KV cache
+(``--kv-dtype float16``: half the bytes of float32, as llama.cpp keeps its cache) is written
+rounded to nearest even, as torch's ``.to()`` rounds, and read exactly by the AVX-512
+attention (``ops.attention_takes`` says where it is built); elsewhere, and for int8 / fp8
+caches and activations other than float32, the torch backend's ops serve.
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ class CppAttentionBackend(TorchAttentionBackend):
         super().__init__(sliding_window)
         self.ops = load()
         self.window = sliding_window or 0
+        self._takes: dict[tuple[torch.dtype, int], bool] = {}  # (cache dtype, head dim)
+
+    def takes(self, kv: LayerKV) -> bool:
+        """Whether the C++ kernels write and attend over this layer's cache."""
+        if kv.quantized:
+            return False
+        key = (kv.k_cache.dtype, kv.k_cache.shape[-1])
+        if key not in self._takes:
+            self._takes[key] = bool(self.ops.attention_takes(kv.k_cache))
+        return self._takes[key]
 
     def prepare(self, batch: AttentionBatch, block_size: int) -> CppAttentionMetadata:
         # Decode attention reads the tables directly; gather ids and masks are built only
@@ -102,7 +115,7 @@ class CppAttentionBackend(TorchAttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, CppAttentionMetadata)
-        if q.dtype != torch.float32 or kv.k_cache.dtype != torch.float32:
+        if q.dtype != torch.float32 or not self.takes(kv):
             return self._torch_forward(q, k, v, kv, metadata, scale)
         self.ops.write_kv(k, v, kv.k_cache, kv.v_cache, metadata.batch.slot_mapping)
         # Every row, decode or prompt token, after every K/V of the step is written.

@@ -11,8 +11,9 @@ its hidden states are bit for bit that path's (tests/kernels/test_fused_decode.p
 
 It applies to steps whose every sequence decodes one token (prefill chunks take the Python
 path) in models whose layers are all dense, with single-part projections on the C++ kernels,
-the cpp attention backend and a float32 KV cache; ``build`` returns None otherwise, and the
-model keeps the Python path for every step.
+the cpp attention backend and a KV cache its kernels take (float32; float16 or bfloat16 where
+the AVX-512 attention is built); ``build`` returns None otherwise, and the model keeps the
+Python path for every step.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ class FusedDecoder:
     def build(cls, model: LlamaForCausalLM, layer_kv: Sequence[LayerKV]) -> FusedDecoder | None:
         """The fused decoder of ``model`` with its KV cache views, or None where it does not
         apply (the reason is logged)."""
-        reason = cls._unsupported(model, layer_kv)
-        if reason is not None:
-            log.info("decode steps take the Python path: %s", reason)
-            return None
         from kernels.cpu import load
 
         ops = load()
+        reason = cls._unsupported(model, layer_kv, ops)
+        if reason is not None:
+            log.info("decode steps take the Python path: %s", reason)
+            return None
         spec = model.spec
         act_bits: list[int] = []
         layers: list[tuple[DecoderLayer, list[Any]]] = []
@@ -128,13 +129,13 @@ class FusedDecoder:
         return cls(model, decode_model)
 
     @staticmethod
-    def _unsupported(model: LlamaForCausalLM, layer_kv: Sequence[LayerKV]) -> str | None:
+    def _unsupported(model: LlamaForCausalLM, layer_kv: Sequence[LayerKV], ops: Any) -> str | None:
         if model.backend.name != "cpp":
             return f"the {model.backend.name} attention backend"
         if model.expert_load is not None or not all(isinstance(layer.mlp, MLP) for layer in model.layers):
             return "mixture-of-experts layers"
-        if any(kv.quantized or kv.k_cache.dtype != torch.float32 for kv in layer_kv):
-            return "a KV cache other than float32"
+        if any(kv.quantized or not ops.attention_takes(kv.k_cache) for kv in layer_kv):
+            return f"a {layer_kv[0].k_cache.dtype} KV cache the C++ attention does not take here"
         if model.norm.weight.dtype != torch.float32:
             return "float weights other than float32"
         return None
