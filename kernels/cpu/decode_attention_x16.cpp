@@ -343,9 +343,10 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
   }
   std::vector<float> partials(part_at[b] * hq * (d + 2));
   // Groups of consecutive rows of one sequence: the same table, lengths one apart. A task is
-  // (group, partition, query heads [h0, h1)): every head, so that each slot's row of K and V
-  // (all kv heads, contiguous) is read from memory once and whole; or a kv head's query
-  // heads, or one query head, where fewer tasks would leave a thread without work.
+  // (group, partition, query heads [h0, h1)): a kv head's query heads, which read its keys
+  // and values once, or one query head where fewer tasks would leave a thread without work.
+  // (Tasks of every kv head, reading each slot's whole row, were tried: slower on 1 and 16
+  // sequences, the threads fewer tasks to share.)
   struct Task {
     int64_t r0, r1, p, h0, h1;
   };
@@ -377,7 +378,8 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
       const Task& task = tasks[t];
       const int64_t base = task.p * part;
       for (int64_t kvh = task.h0 / group; kvh * group < task.h1; ++kvh) {
-        const int64_t h0 = std::max(task.h0, kvh * group), h1 = std::min(task.h1, (kvh + 1) * group);
+        const int64_t h0 = std::max(task.h0, kvh * group);
+        const int64_t h1 = std::min(task.h1, (kvh + 1) * group);
         const int64_t count = (task.r1 - task.r0) * (h1 - h0);
         if (static_cast<int64_t>(scratch.size()) < count * part) scratch.resize(count * part);
         queries.clear();

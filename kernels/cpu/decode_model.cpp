@@ -168,7 +168,7 @@ struct Layer {
   Projection qkv, o, gate_up, down;
   torch::Tensor input_norm, post_norm;
   std::optional<torch::Tensor> q_norm, k_norm;  // qwen3
-  torch::Tensor k_cache, v_cache;               // [N, S, Hkv, D] float32, this layer's
+  torch::Tensor k_cache, v_cache;  // [N, S, Hkv, D] float32 / float16 / bfloat16, this layer's
 };
 
 class DecodeModel {

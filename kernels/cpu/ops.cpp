@@ -435,7 +435,8 @@ namespace pdserve_cpu {
 // weighted sum of values, each one pass over the context read through the block table in
 // runs of consecutive slots. Built with AVX-512 and D a multiple of 16 (up to 128), the
 // work goes to decode_attention_x16.cpp instead, which serves a verify's rows of one
-// sequence together and computes every row as it would alone.
+// sequence together and computes every row as it would alone; there the caches may also be
+// float16 or bfloat16 (elsewhere float32 only: attention_takes says which).
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
