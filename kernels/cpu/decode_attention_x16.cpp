@@ -341,15 +341,7 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
     const int64_t count = (lens[r] + part - 1) / part - part_lo[r];
     part_at[r + 1] = part_at[r] + (count > 1 ? count : 0);
   }
-  std::vector<float> partials(part_at[b] * hq * (d + 2));
-  // Groups of consecutive rows of one sequence: the same table, lengths one apart. A task is
-  // (group, partition, query heads [h0, h1)): a kv head's query heads, which read its keys
-  // and values once, or one query head where fewer tasks would leave a thread without work.
-  // (Tasks of every kv head, reading each slot's whole row, were tried: slower on 1 and 16
-  // sequences, the threads fewer tasks to share.)
-  struct Task {
-    int64_t r0, r1, p, h0, h1;
-  };
+  // Groups of consecutive rows of one sequence: the same table, lengths one apart.
   std::vector<std::pair<int64_t, int64_t>> groups;
   for (int64_t i = 0; i < b;) {
     int64_t j = i + 1;
@@ -362,73 +354,109 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
   const auto parts_of = [&](int64_t r0, int64_t r1) {
     return (lens[r1 - 1] + part - 1) / part - part_lo[r0];
   };
+  // A task is (group, partitions [p0, p1), query heads [h0, h1)). Two ways to share the work,
+  // the same arithmetic for every row: where (group, kv head) tasks are enough for the
+  // threads (several sequences, prefill chunks), a task runs all its group's partitions and
+  // joins its split rows itself, their partials in a buffer of its own (rows x heads x
+  // partitions: a prefill chunk's partials never all exist at once); else (one sequence, a
+  // long context to share) a task is one partition, and the split rows are joined after all
+  // tasks from partials of the whole call (few rows). The heads of a task are a kv head's
+  // query heads, which read its keys and values once, or one query head where fewer tasks
+  // would leave a thread without work. (Tasks of every kv head, reading each slot's whole
+  // row, were tried: slower on 1 and 16 sequences, the threads fewer tasks to share.)
+  struct Task {
+    int64_t r0, r1, p0, p1, h0, h1;
+  };
+  const int64_t threads = at::get_num_threads();
+  const bool whole = static_cast<int64_t>(groups.size()) * hkv >= 2 * threads;
   int64_t units = 0;  // (group, partition) pairs
   for (const auto& [r0, r1] : groups) units += parts_of(r0, r1);
-  const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_task = units * hkv >= threads ? group : 1;
+  const int64_t heads_per_task = whole || units * hkv >= threads ? group : 1;
   std::vector<Task> tasks;
-  for (const auto& [r0, r1] : groups)
-    for (int64_t p = part_lo[r0]; p < part_lo[r0] + parts_of(r0, r1); ++p)
+  for (const auto& [r0, r1] : groups) {
+    const int64_t first = part_lo[r0], last = first + parts_of(r0, r1);
+    for (int64_t p = first; p < last; p += whole ? last - first : 1)
       for (int64_t h0 = 0; h0 < hq; h0 += heads_per_task)
-        tasks.push_back({r0, r1, p, h0, h0 + heads_per_task});
+        tasks.push_back({r0, r1, p, whole ? last : p + 1, h0, h0 + heads_per_task});
+  }
+  std::vector<float> partials(whole ? 0 : part_at[b] * hq * (d + 2));
   pdserve_cpu::parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> scratch;
+    thread_local std::vector<float> scratch, own;
     std::vector<Query> queries;
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
-      const int64_t base = task.p * part;
-      for (int64_t kvh = task.h0 / group; kvh * group < task.h1; ++kvh) {
-        const int64_t h0 = std::max(task.h0, kvh * group);
-        const int64_t h1 = std::min(task.h1, (kvh + 1) * group);
-        const int64_t count = (task.r1 - task.r0) * (h1 - h0);
-        if (static_cast<int64_t>(scratch.size()) < count * part) scratch.resize(count * part);
-        queries.clear();
-        for (int64_t r = task.r0; r < task.r1; ++r) {
-          const int64_t from = std::max(first_of(r), base);
-          const int64_t to = std::min<int64_t>(lens[r], base + part);
-          if (from >= to) continue;  // the row's context ends before this partition
-          const int64_t parts = part_at[r + 1] - part_at[r];
-          for (int64_t h = h0; h < h1; ++h) {
-            // (r, h)'s partials lie together, in partition order.
-            float* partial =
-                parts > 0 ? partials.data() +
-                                (part_at[r] * hq + h * parts + task.p - part_lo[r]) * (d + 2)
-                          : nullptr;
-            const int64_t i = static_cast<int64_t>(queries.size());
-            queries.push_back(Query{q + r * q_row_stride + h * d, out + (r * hq + h) * d,
-                                    partial, from, to, scratch.data() + i * part, 0.0f});
+      const int64_t heads = task.h1 - task.h0, span = task.p1 - task.p0;
+      if (whole) {
+        const int64_t size = (task.r1 - task.r0) * heads * span * (d + 2);
+        if (static_cast<int64_t>(own.size()) < size) own.resize(size);
+      }
+      // Where (r, h)'s partial of partition p goes: its partials lie together, in order.
+      const auto partial_of = [&](int64_t r, int64_t h, int64_t p) -> float* {
+        const int64_t parts = part_at[r + 1] - part_at[r];
+        if (parts == 0) return nullptr;
+        if (whole)
+          return own.data() + (((r - task.r0) * heads + h - task.h0) * span + p - part_lo[r]) *
+                                  (d + 2);
+        return partials.data() + (part_at[r] * hq + h * parts + p - part_lo[r]) * (d + 2);
+      };
+      for (int64_t p = task.p0; p < task.p1; ++p) {
+        const int64_t base = p * part;
+        for (int64_t kvh = task.h0 / group; kvh * group < task.h1; ++kvh) {
+          const int64_t h0 = std::max(task.h0, kvh * group);
+          const int64_t h1 = std::min(task.h1, (kvh + 1) * group);
+          const int64_t count = (task.r1 - task.r0) * (h1 - h0);
+          if (static_cast<int64_t>(scratch.size()) < count * part) scratch.resize(count * part);
+          queries.clear();
+          for (int64_t r = task.r0; r < task.r1; ++r) {
+            const int64_t from = std::max(first_of(r), base);
+            const int64_t to = std::min<int64_t>(lens[r], base + part);
+            if (from >= to) continue;  // the row's context ends before this partition
+            for (int64_t h = h0; h < h1; ++h) {
+              const int64_t i = static_cast<int64_t>(queries.size());
+              queries.push_back(Query{q + r * q_row_stride + h * d, out + (r * hq + h) * d,
+                                      partial_of(r, h, p), from, to, scratch.data() + i * part,
+                                      0.0f});
+            }
           }
-        }
-        if (queries.empty()) continue;
-        const auto run = [&](auto nv) {
-          const auto with = [&](auto element_type) {
-            using E = decltype(element_type);
-            using T = typename E::type;
-            attend<decltype(nv)::value, E>(
-                queries.data(), static_cast<int>(queries.size()), base,
-                static_cast<const T*>(k_cache) + kvh * d, static_cast<const T*>(v_cache) + kvh * d,
-                row, tables + task.r0 * m, shift, scale);
+          if (queries.empty()) continue;
+          const auto run = [&](auto nv) {
+            const auto with = [&](auto element_type) {
+              using E = decltype(element_type);
+              using T = typename E::type;
+              attend<decltype(nv)::value, E>(
+                  queries.data(), static_cast<int>(queries.size()), base,
+                  static_cast<const T*>(k_cache) + kvh * d,
+                  static_cast<const T*>(v_cache) + kvh * d, row, tables + task.r0 * m, shift,
+                  scale);
+            };
+            switch (element) {
+              case KvElement::kHalf: with(F16{}); break;
+              case KvElement::kBFloat16: with(BF16{}); break;
+              default: with(F32{}); break;
+            }
           };
-          switch (element) {
-            case KvElement::kHalf: with(F16{}); break;
-            case KvElement::kBFloat16: with(BF16{}); break;
-            default: with(F32{}); break;
+          switch (nv) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            case 5: run(std::integral_constant<int, 5>{}); break;
+            case 6: run(std::integral_constant<int, 6>{}); break;
+            case 7: run(std::integral_constant<int, 7>{}); break;
+            default: run(std::integral_constant<int, 8>{}); break;
           }
-        };
-        switch (nv) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
-          default: run(std::integral_constant<int, 8>{}); break;
         }
+      }
+      if (!whole) continue;
+      for (int64_t r = task.r0; r < task.r1; ++r) {
+        const int64_t parts = part_at[r + 1] - part_at[r];
+        if (parts == 0) continue;
+        for (int64_t h = task.h0; h < task.h1; ++h)
+          join_partials(partial_of(r, h, part_lo[r]), parts, d, out + (r * hq + h) * d);
       }
     }
   });
-  if (part_at[b] > 0) {  // join the split rows' partials
+  if (!whole && part_at[b] > 0) {  // join the split rows' partials
     std::vector<int64_t> split_rows;
     for (int64_t r = 0; r < b; ++r)
       if (part_at[r + 1] > part_at[r]) split_rows.push_back(r);
