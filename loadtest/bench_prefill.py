@@ -1,0 +1,59 @@
+"""Prefill time of one prompt through the engine in this process: random prompts of each
+length, one output token, best of ``--repeats``, prompts fed in chunks of
+``--max-num-batched-tokens`` as the scheduler feeds them. Run it on a quiet machine:
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python loadtest/bench_prefill.py \\
+        --model ~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct.Q4_K_M.gguf --act-bits 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common.contract.sampling import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.models.default_model import resolve_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint or GGUF file (default model)")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--act-bits", type=int, default=16, help="--quant-act-bits")
+    parser.add_argument("--kv-dtype", default="auto")
+    parser.add_argument("--lengths", default="512,2048,4000", help="prompt tokens, comma-separated")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = EngineConfig(
+        model=resolve_model(args.model), device="cpu", quantization=args.quantization,
+        quant_act_bits=args.act_bits, kv_dtype=args.kv_dtype, kv_cache_memory="1GiB",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
+    engine = Engine(config)
+    vocab = engine.runner.model.spec.vocab_size
+    rng = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def prefill(length: int, request_id: str) -> float:
+        prompt = torch.randint(100, vocab, (length,), generator=rng).tolist()
+        engine.add_request(request_id, prompt, params)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - start
+
+    prefill(64, "warm-up")
+    print(f"{engine.runner.weight_format.describe()}, KV {engine.runner.kv_dtype}, "
+          f"chunks of {args.max_num_batched_tokens}")  # fmt: skip
+    for length in (int(x) for x in args.lengths.split(",")):
+        best = min(prefill(length, f"p{length}-{i}") for i in range(args.repeats))
+        print(f"prefill {length:>5} tokens: {best * 1e3:7.0f} ms ({length / best:6.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
