@@ -399,52 +399,49 @@ bool decode_attention_x16(const float* q, int64_t q_row_stride, int64_t b, int64
                                   (d + 2);
         return partials.data() + (part_at[r] * hq + h * parts + p - part_lo[r]) * (d + 2);
       };
+      // A task's query heads are one kv head's (all of them, or one).
+      const int64_t kvh = task.h0 / group;
+      const int64_t count = (task.r1 - task.r0) * heads;
+      if (static_cast<int64_t>(scratch.size()) < count * part) scratch.resize(count * part);
       for (int64_t p = task.p0; p < task.p1; ++p) {
         const int64_t base = p * part;
-        for (int64_t kvh = task.h0 / group; kvh * group < task.h1; ++kvh) {
-          const int64_t h0 = std::max(task.h0, kvh * group);
-          const int64_t h1 = std::min(task.h1, (kvh + 1) * group);
-          const int64_t count = (task.r1 - task.r0) * (h1 - h0);
-          if (static_cast<int64_t>(scratch.size()) < count * part) scratch.resize(count * part);
-          queries.clear();
-          for (int64_t r = task.r0; r < task.r1; ++r) {
-            const int64_t from = std::max(first_of(r), base);
-            const int64_t to = std::min<int64_t>(lens[r], base + part);
-            if (from >= to) continue;  // the row's context ends before this partition
-            for (int64_t h = h0; h < h1; ++h) {
-              const int64_t i = static_cast<int64_t>(queries.size());
-              queries.push_back(Query{q + r * q_row_stride + h * d, out + (r * hq + h) * d,
-                                      partial_of(r, h, p), from, to, scratch.data() + i * part,
-                                      0.0f});
-            }
+        queries.clear();
+        for (int64_t r = task.r0; r < task.r1; ++r) {
+          const int64_t from = std::max(first_of(r), base);
+          const int64_t to = std::min<int64_t>(lens[r], base + part);
+          if (from >= to) continue;  // the row's context ends before this partition
+          for (int64_t h = task.h0; h < task.h1; ++h) {
+            const int64_t i = static_cast<int64_t>(queries.size());
+            queries.push_back(Query{q + r * q_row_stride + h * d, out + (r * hq + h) * d,
+                                    partial_of(r, h, p), from, to, scratch.data() + i * part,
+                                    0.0f});
           }
-          if (queries.empty()) continue;
-          const auto run = [&](auto nv) {
-            const auto with = [&](auto element_type) {
-              using E = decltype(element_type);
-              using T = typename E::type;
-              attend<decltype(nv)::value, E>(
-                  queries.data(), static_cast<int>(queries.size()), base,
-                  static_cast<const T*>(k_cache) + kvh * d,
-                  static_cast<const T*>(v_cache) + kvh * d, row, tables + task.r0 * m, shift,
-                  scale);
-            };
-            switch (element) {
-              case KvElement::kHalf: with(F16{}); break;
-              case KvElement::kBFloat16: with(BF16{}); break;
-              default: with(F32{}); break;
-            }
+        }
+        if (queries.empty()) continue;
+        const auto run = [&](auto nv) {
+          const auto with = [&](auto element_type) {
+            using E = decltype(element_type);
+            using T = typename E::type;
+            attend<decltype(nv)::value, E>(
+                queries.data(), static_cast<int>(queries.size()), base,
+                static_cast<const T*>(k_cache) + kvh * d, static_cast<const T*>(v_cache) + kvh * d,
+                row, tables + task.r0 * m, shift, scale);
           };
-          switch (nv) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            case 4: run(std::integral_constant<int, 4>{}); break;
-            case 5: run(std::integral_constant<int, 5>{}); break;
-            case 6: run(std::integral_constant<int, 6>{}); break;
-            case 7: run(std::integral_constant<int, 7>{}); break;
-            default: run(std::integral_constant<int, 8>{}); break;
+          switch (element) {
+            case KvElement::kHalf: with(F16{}); break;
+            case KvElement::kBFloat16: with(BF16{}); break;
+            default: with(F32{}); break;
           }
+        };
+        switch (nv) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          default: run(std::integral_constant<int, 8>{}); break;
         }
       }
       if (!whole) continue;

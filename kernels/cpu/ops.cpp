@@ -220,13 +220,17 @@ void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tens
 // k, v: [T, Hkv, D] (rows may be strided); caches [N, S, Hkv, D] contiguous; slots [T] int64.
 namespace {
 
-// A KV cache's element type: float32, or float16 / bfloat16 (half the bytes; values are
+// The caches' element type: float32, or float16 / bfloat16 (half the bytes; values are
 // rounded to nearest even on the write, as torch's .to() rounds them, and read exactly).
-void check_kv_cache(const torch::Tensor& t, const char* name) {
-  const auto type = t.scalar_type();
-  TORCH_CHECK(t.device().is_cpu() && (type == torch::kFloat32 || type == torch::kFloat16 ||
-                                      type == torch::kBFloat16),
-              name, " must be a float32, float16 or bfloat16 CPU tensor");
+pdserve_cpu::KvElement check_kv_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  (type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16),
+              "k_cache must be a float32, float16 or bfloat16 CPU tensor");
+  TORCH_CHECK(v_cache.scalar_type() == type, "k_cache and v_cache must have one dtype");
+  return type == torch::kFloat16    ? pdserve_cpu::KvElement::kHalf
+         : type == torch::kBFloat16 ? pdserve_cpu::KvElement::kBFloat16
+                                    : pdserve_cpu::KvElement::kFloat;
 }
 
 template <typename T>
@@ -244,10 +248,7 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
               torch::Tensor& v_cache, const torch::Tensor& slots) {
   check_f32(k, "k");
   check_f32(v, "v");
-  check_kv_cache(k_cache, "k_cache");
-  check_kv_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must have one dtype");
+  const pdserve_cpu::KvElement element = check_kv_caches(k_cache, v_cache);
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && k.stride(1) == k.size(2) && v.dim() == 3 &&
                   v.stride(2) == 1 && v.stride(1) == v.size(2) && k.sizes() == v.sizes(),
               "k and v must be [T, Hkv, D] with contiguous heads");
@@ -268,11 +269,11 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
       store_row(vp + i * v.stride(0), row, vc + sp[i] * row);
     }
   };
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat16:
+  switch (element) {
+    case pdserve_cpu::KvElement::kHalf:
       write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
       break;
-    case torch::kBFloat16:
+    case pdserve_cpu::KvElement::kBFloat16:
       write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
       break;
     default:
@@ -443,10 +444,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& seq_lens, double scale,
                                      int64_t window) {
   check_f32(q, "q");
-  check_kv_cache(k_cache, "k_cache");
-  check_kv_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must have one dtype");
+  const pdserve_cpu::KvElement element = check_kv_caches(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [B, Hq, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -478,11 +476,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  const pdserve_cpu::KvElement element = k_cache.scalar_type() == torch::kFloat16
-                                             ? pdserve_cpu::KvElement::kHalf
-                                             : k_cache.scalar_type() == torch::kBFloat16
-                                                   ? pdserve_cpu::KvElement::kBFloat16
-                                                   : pdserve_cpu::KvElement::kFloat;
   if (pdserve_cpu::decode_attention_x16(qp, q.stride(0), b, hq, hkv, d, k_cache.data_ptr(),
                                         v_cache.data_ptr(), element, shift, tables, m, lens,
                                         fscale, window, op))
