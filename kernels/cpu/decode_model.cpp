@@ -31,8 +31,8 @@ struct KqParts {
   torch::Tensor lo;
   std::optional<torch::Tensor> hi;
   int64_t lo_width = 4, hi_width = 0, code_bias = 0, group_size = 32, block_size = 256;
-  torch::Tensor d, sc;
-  std::optional<torch::Tensor> dmin, m;
+  torch::Tensor d;
+  std::optional<torch::Tensor> sc, dmin, m;  // sc, m absent: half scales (kquant.py)
   double sign = -1.0;
   bool int8_tokens = false;
   std::optional<torch::Tensor> perm;  // act order: the kernel reads x[:, perm]
@@ -129,7 +129,7 @@ Projection make_projection(bool q4, bool x16, torch::Tensor qweight, torch::Tens
 Projection make_kq_projection(torch::Tensor lo, std::optional<torch::Tensor> hi,
                               int64_t lo_width, int64_t hi_width, int64_t code_bias,
                               int64_t group_size, int64_t block_size, torch::Tensor d,
-                              torch::Tensor sc, std::optional<torch::Tensor> dmin,
+                              std::optional<torch::Tensor> sc, std::optional<torch::Tensor> dmin,
                               std::optional<torch::Tensor> m, double sign, int64_t num_rows,
                               bool int8_tokens, std::optional<torch::Tensor> perm,
                               std::optional<torch::Tensor> bias) {

@@ -82,7 +82,8 @@ torch::Tensor fp8_x16_matmul(const torch::Tensor& x, const torch::Tensor& packed
 torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plane,
                             const std::optional<torch::Tensor>& hi_plane, int64_t lo_width,
                             int64_t hi_width, int64_t bias, int64_t group_size,
-                            int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
+                            int64_t block_size, const torch::Tensor& d,
+                            const std::optional<torch::Tensor>& sc,
                             const std::optional<torch::Tensor>& dmin,
                             const std::optional<torch::Tensor>& m, double sign, int64_t n,
                             bool int8_tokens, int64_t act_bits);

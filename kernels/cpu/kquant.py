@@ -17,6 +17,11 @@ and a small integer scale ``sc`` (and min ``m``) per group of G. Here, as the Q4
   mask into int16 lanes that pair with x[k], x[k + 1] as the Q4x16 kernel pairs them.
 - ``d`` (and ``dmin``) float32 [NB, K / L, 16]; ``sc`` (and ``m``) int8 [NB, K / G, 16];
   lane i is row 16j + i's.
+- Half scales: where a type has one float per group (L = G: Q5_0, Q5_1, and checkpoints'
+  integer codes in groups of 32), every small integer is 1 and every float is a float16 value
+  (a GGUF file's ``d`` and ``m`` are float16), ``d`` (and ``dmin``) are held as float16 and
+  ``sc`` / ``m`` not at all (None): a Q5_0 weight takes 5.5 bits, as in its file, not 6.25.
+  The kernels widen each float16 exactly, so the products are those of the float32 form.
 
 ``dequantize`` forms each weight with the same float32 operations as the gguf package, so a
 packed tensor dequantizes bit for bit as its file does (tests/unit/test_kquant_x16.py).
@@ -116,10 +121,10 @@ class KQx16:
 
     type_name: str
     planes: list[torch.Tensor]  # uint8 [NB, SB, w, 64], widths as KQ_LAYOUTS says
-    d: torch.Tensor  # float32 [NB, K / L, 16]
-    sc: torch.Tensor  # int8 [NB, K / G, 16]
-    dmin: torch.Tensor | None  # float32 [NB, K / L, 16]
-    m: torch.Tensor | None  # int8 [NB, K / G, 16]
+    d: torch.Tensor  # float32 [NB, K / L, 16]; float16 where scales are half (L = G)
+    sc: torch.Tensor | None  # int8 [NB, K / G, 16]; None: every one is 1 (half scales)
+    dmin: torch.Tensor | None  # as d
+    m: torch.Tensor | None  # as sc; None with dmin given: every one is 1 (half scales)
     bias: int
     sign: float  # of the min term: -1 (K-quants), +1 (Q5_1)
     # Act-order checkpoints (GPTQ's desc_act, compressed-tensors' actorder "group"): packed
@@ -151,9 +156,10 @@ class KQx16:
             return None if t is None else t[index].contiguous()
 
         planes = [p[index].contiguous() for p in self.planes]
-        d, sc = pick(self.d), pick(self.sc)
-        assert d is not None and sc is not None
-        return replace(self, planes=planes, d=d, sc=sc, dmin=pick(self.dmin), m=pick(self.m))
+        d = pick(self.d)
+        assert d is not None
+        return replace(self, planes=planes, d=d, sc=pick(self.sc), dmin=pick(self.dmin),
+                       m=pick(self.m))  # fmt: skip
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> KQx16:
         """KQx16 weights are 2-D: a file's 3-D expert tensor is read expert by expert
@@ -174,6 +180,7 @@ class KQx16:
     def cat(parts: list[KQx16]) -> KQx16:
         """Rows of several weights of one type stacked (fused projections)."""
         assert len({p.type_name for p in parts}) == 1, "fused KQx16 parts differ in type"
+        assert len({p.d.dtype for p in parts}) == 1, "fused KQx16 parts differ in scale form"
         assert all(same_columns(parts[0], p) for p in parts), "fused parts differ in columns"
 
         def joined(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -181,10 +188,11 @@ class KQx16:
 
         first = parts[0]
         planes = [torch.cat([p.planes[i] for p in parts]) for i in range(len(first.planes))]
-        d, sc = joined([p.d for p in parts]), joined([p.sc for p in parts])
-        assert d is not None and sc is not None
+        d = joined([p.d for p in parts])
+        assert d is not None
         return replace(
-            first, planes=planes, d=d, sc=sc, dmin=joined([p.dmin for p in parts]),
+            first, planes=planes, d=d, sc=joined([p.sc for p in parts]),
+            dmin=joined([p.dmin for p in parts]),
             m=joined([p.m for p in parts]),
         )  # fmt: skip
 
@@ -216,15 +224,23 @@ class KQx16:
         int8_tokens: bool = False,
     ) -> KQx16:
         """From the rows: codes uint8 [N, K], d / dmin float32 [N, K / L], sc / m integer
-        [N, K / G] (columns in ``perm``'s order where one is given)."""
-        bits, widths, _, _ = kq_layout(type_name)
+        [N, K / G] (columns in ``perm``'s order where one is given). Held as half scales
+        (the module's docstring) wherever that is exact."""
+        bits, widths, group, block = kq_layout(type_name)
         assert int(u.max()) < 1 << bits, f"{type_name} codes exceed {bits} bits"
         planes, shift = [], 0
         for width in widths:
             planes.append(pack_plane((u >> shift) & ((1 << width) - 1), width))
             shift += width
+        big = [None if t is None else t.float() for t in (d, dmin)]
+        if _half_exact(group, block, big, sc, m) and not (is_affine(type_name) and m is not None):
+            halves = [None if t is None else lanes(t.half()) for t in big]
+            return KQx16(
+                type_name, planes, halves[0], None, halves[1], None, bias, sign, perm,  # type: ignore[arg-type]
+                int8_tokens,
+            )  # fmt: skip
         small = [None if t is None else lanes(t.to(torch.int8)) for t in (sc, m)]
-        big = [None if t is None else lanes(t.float()) for t in (d, dmin)]
+        big = [None if t is None else lanes(t) for t in big]
         return KQx16(
             type_name, planes, big[0], small[0], big[1], small[1], bias, sign,  # type: ignore[arg-type]
             perm, int8_tokens,
@@ -248,8 +264,8 @@ class KQx16:
         n, k = self.shape
         _, _, g, block = kq_layout(self.type_name)
         per = block // g  # groups per float block
-        d = rows(self.d).repeat_interleave(per, dim=1)  # [N, K / G]
-        scales = d * rows(self.sc).float()
+        d = rows(self.d).float().repeat_interleave(per, dim=1)  # [N, K / G]
+        scales = d if self.sc is None else d * rows(self.sc).float()
         codes = (self.codes().to(torch.int16) - self.bias).view(n, k // g, g)
         if is_affine(self.type_name):
             if self.m is not None:
@@ -257,8 +273,10 @@ class KQx16:
             values = codes.float() * scales[..., None]
         else:
             values = codes.float() * scales[..., None]
-            if self.dmin is not None and self.m is not None:
-                mins = rows(self.dmin).repeat_interleave(per, dim=1) * rows(self.m).float()
+            if self.dmin is not None:
+                mins = rows(self.dmin).float().repeat_interleave(per, dim=1)
+                if self.m is not None:
+                    mins = mins * rows(self.m).float()
                 values = values + (mins if self.sign > 0 else -mins)[..., None]
         values = values.view(n, k)
         if self.perm is None:
@@ -266,6 +284,22 @@ class KQx16:
         out = torch.empty_like(values)
         out[:, self.perm] = values
         return out
+
+
+def _half_exact(
+    group: int,
+    block: int,
+    floats: list[torch.Tensor | None],
+    sc: torch.Tensor,
+    m: torch.Tensor | None,
+) -> bool:
+    """Whether a weight's scales hold exactly as half scales: one float per group, every
+    small integer 1, every float a float16 value."""
+    if block != group or not bool((sc == 1).all()):
+        return False
+    if m is not None and (floats[1] is None or not bool((m == 1).all())):
+        return False
+    return all(t is None or torch.equal(t.half().float(), t) for t in floats)
 
 
 def same_columns(a: KQx16, b: KQx16) -> bool:

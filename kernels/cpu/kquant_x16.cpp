@@ -19,6 +19,8 @@
 // the int32 sum S of (u - bias) x over each group is exact. Then per group, in float32:
 // acc += S * (d * sc), and with mins acc += sign * (dmin * m) * xsum_g / dx; y = acc * dx.
 // d * sc and dmin * m are exact products (an 11-bit significand times at most 8 bits).
+// Half scales (Q5_0, Q5_1: one float per group, sc and m all 1) hold d and dmin as float16
+// and no sc or m; vcvtph2ps widens them exactly, so the terms are the same floats.
 //
 // Plane of width w, chunk c = p / (16 / w), position t = p % (16 / w): the pair's bits are
 // (word >> w t) & (2^w - 1) of each 16-bit word; a second plane's bits go above the first's.
@@ -40,7 +42,7 @@
     defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PDSERVE_KQ16 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PDSERVE_KQ8 1  // the AVX2 path: each 16-lane vector as two halves of 8 lanes
 #endif
@@ -61,6 +63,11 @@ struct KqWeight {
   const float* dmin;  // nullptr: no min term
   const int8_t* m;
   float sign;
+  // Half scales (kernels/cpu/kquant.py): d and dmin float16, one per group, sc and m all 1;
+  // then d and sc (dmin and m) above are nullptr.
+  const uint16_t* d16 = nullptr;
+  const uint16_t* dmin16 = nullptr;
+  bool has_min() const { return dmin != nullptr || dmin16 != nullptr; }
 };
 
 struct Dims {
@@ -105,6 +112,21 @@ inline __m512 scales16(const float* d, const int8_t* s) {
   const __m512 small =
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
   return _mm512_mul_ps(_mm512_loadu_ps(d), small);
+}
+
+inline __m512 halves16(const uint16_t* h) {  // 16 float16 values widened (exactly)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// A group's 16 lanes of d * sc and of sign * dmin * m (zero without mins).
+inline __m512 group_scale(const KqWeight& w, int64_t at_block, int64_t at_group) {
+  return w.d16 ? halves16(w.d16 + at_block) : scales16(w.d + at_block, w.sc + at_group);
+}
+
+inline __m512 group_min(const KqWeight& w, int64_t at_block, int64_t at_group) {
+  if (!w.has_min()) return _mm512_setzero_ps();
+  const __m512 v = w.dmin16 ? halves16(w.dmin16 + at_block) : scales16(w.dmin + at_block, w.m + at_group);
+  return w.sign < 0 ? _mm512_sub_ps(_mm512_setzero_ps(), v) : v;
 }
 
 // The int16 codes of pair P from a plane of width W held in registers (its W chunks): the
@@ -206,15 +228,11 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
       for (int t = 0; t < T; ++t) {
         const int64_t at_block = ((j0 + t) * blocks + g * G / w.L) * kLanes;
         const int64_t at_group = ((j0 + t) * groups + g) * kLanes;
-        const __m512 scale = scales16(w.d + at_block, w.sc + at_group);
-        __m512 min_term = _mm512_setzero_ps();
-        if (w.dmin) {
-          min_term = scales16(w.dmin + at_block, w.m + at_group);
-          if (w.sign < 0) min_term = _mm512_sub_ps(_mm512_setzero_ps(), min_term);
-        }
+        const __m512 scale = group_scale(w, at_block, at_group);
+        const __m512 min_term = group_min(w, at_block, at_group);
         for (int r = 0; r < R; ++r) {
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb.sum[r][t][q]), scale, acc[r][t]);
-          if (w.dmin)
+          if (w.has_min())
             acc[r][t] = _mm512_fmadd_ps(min_term, _mm512_set1_ps(qx.xsum[(m0 + r) * groups + g]),
                                         acc[r][t]);
         }
@@ -403,18 +421,14 @@ void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
       for (int t = 0; t < T; ++t) {
         const int64_t at_block = ((j0 + t) * blocks + g * G / w.L) * kLanes;
         const int64_t at_group = ((j0 + t) * groups + g) * kLanes;
-        const __m512 scale = scales16(w.d + at_block, w.sc + at_group);
-        __m512 min_term = _mm512_setzero_ps();
-        if (w.dmin) {
-          min_term = scales16(w.dmin + at_block, w.m + at_group);
-          if (w.sign < 0) min_term = _mm512_sub_ps(_mm512_setzero_ps(), min_term);
-        }
+        const __m512 scale = group_scale(w, at_block, at_group);
+        const __m512 min_term = group_min(w, at_block, at_group);
         for (int r = 0; r < R; ++r) {
           const int32_t c = qx.csum[(m0 + r) * groups + g];
           __m512i s = sb.sum[r][t][q];
           if (w.bias != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(w.bias * c));
           __m512 inner = _mm512_mul_ps(_mm512_cvtepi32_ps(s), scale);
-          if (w.dmin)
+          if (w.has_min())
             inner = _mm512_fmadd_ps(min_term, _mm512_set1_ps(static_cast<float>(c)), inner);
           acc[r][t] = _mm512_fmadd_ps(inner, _mm512_set1_ps(qx.dx[(m0 + r) * num_sub + b]),
                                       acc[r][t]);
@@ -566,6 +580,10 @@ inline __m256 small_scales8(const int8_t* s8) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
 }
 
+inline __m256 halves8(const uint16_t* h) {  // 8 float16 values widened (exactly; F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
 // R rows of x against T halves (8 lanes each) from half h0 (half 2j + e is n-block j's
 // lanes 8e..8e+7).
 template <int LO, int HI, int G, int R, int T>
@@ -608,15 +626,18 @@ void kq_tile8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_
         const int64_t at_block = (j * blocks + g * G / w.L) * kLanes + e * 8;
         const int64_t at_group = (j * groups + g) * kLanes + e * 8;
         const __m256 scale =
-            _mm256_mul_ps(_mm256_loadu_ps(w.d + at_block), small_scales8(w.sc + at_group));
+            w.d16 ? halves8(w.d16 + at_block)
+                  : _mm256_mul_ps(_mm256_loadu_ps(w.d + at_block), small_scales8(w.sc + at_group));
         __m256 min_term = _mm256_setzero_ps();
-        if (w.dmin) {
-          min_term = _mm256_mul_ps(_mm256_loadu_ps(w.dmin + at_block), small_scales8(w.m + at_group));
+        if (w.has_min()) {
+          min_term = w.dmin16 ? halves8(w.dmin16 + at_block)
+                              : _mm256_mul_ps(_mm256_loadu_ps(w.dmin + at_block),
+                                              small_scales8(w.m + at_group));
           if (w.sign < 0) min_term = _mm256_sub_ps(_mm256_setzero_ps(), min_term);
         }
         for (int r = 0; r < R; ++r) {
           acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb.sum[r][t][q]), scale, acc[r][t]);
-          if (w.dmin)
+          if (w.has_min())
             acc[r][t] = _mm256_fmadd_ps(min_term, _mm256_set1_ps(qx.xsum[(m0 + r) * groups + g]),
                                         acc[r][t]);
         }
@@ -686,7 +707,8 @@ namespace pdserve_cpu {
 torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plane,
                             const std::optional<torch::Tensor>& hi_plane, int64_t lo_width,
                             int64_t hi_width, int64_t bias, int64_t group_size,
-                            int64_t block_size, const torch::Tensor& d, const torch::Tensor& sc,
+                            int64_t block_size, const torch::Tensor& d,
+                            const std::optional<torch::Tensor>& sc,
                             const std::optional<torch::Tensor>& dmin,
                             const std::optional<torch::Tensor>& m, double sign, int64_t n,
                             bool int8_tokens, int64_t act_bits) {
@@ -713,22 +735,35 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                     t.numel() == dims.num_blocks() * (dims.K / per) * kLanes,
                 what, " must be contiguous [N/16, K/", per, ", 16] of ", c10::toString(type));
   };
-  check_scales(d, torch::kFloat32, block_size, "d");
-  check_scales(sc, torch::kInt8, group_size, "sc");
-  TORCH_CHECK(dmin.has_value() == m.has_value(), "dmin and m come together");
-  if (dmin.has_value()) {
-    check_scales(*dmin, torch::kFloat32, block_size, "dmin");
-    check_scales(*m, torch::kInt8, group_size, "m");
+  // Half scales: d (and dmin) float16 one per group, no sc (and no m).
+  const bool half = d.scalar_type() == torch::kHalf;
+  if (half) {
+    TORCH_CHECK(block_size == group_size, "float16 d needs one d per group (block ", block_size,
+                ", group ", group_size, ")");
+    TORCH_CHECK(!sc.has_value() && !m.has_value(), "float16 d comes without sc and m");
+  } else {
+    TORCH_CHECK(sc.has_value(), "float32 d needs sc");
+    TORCH_CHECK(dmin.has_value() == m.has_value(), "dmin and m come together");
   }
+  const torch::ScalarType float_type = half ? torch::kHalf : torch::kFloat32;
+  check_scales(d, float_type, block_size, "d");
+  if (sc.has_value()) check_scales(*sc, torch::kInt8, group_size, "sc");
+  if (dmin.has_value()) check_scales(*dmin, float_type, block_size, "dmin");
+  if (m.has_value()) check_scales(*m, torch::kInt8, group_size, "m");
   auto out = torch::empty({dims.M, dims.N}, x.options());
   if (dims.M == 0) return out;
 #if defined(PDSERVE_KQ16) || defined(PDSERVE_KQ8)
-  const KqWeight w{lo_plane.data_ptr<uint8_t>(),
-                   hi_plane.has_value() ? hi_plane->data_ptr<uint8_t>() : nullptr,
-                   static_cast<int>(lo_width), static_cast<int>(hi_width),
-                   static_cast<int>(bias), group_size, block_size, d.data_ptr<float>(),
-                   sc.data_ptr<int8_t>(), dmin.has_value() ? dmin->data_ptr<float>() : nullptr,
-                   m.has_value() ? m->data_ptr<int8_t>() : nullptr, static_cast<float>(sign)};
+  KqWeight w{lo_plane.data_ptr<uint8_t>(),
+             hi_plane.has_value() ? hi_plane->data_ptr<uint8_t>() : nullptr,
+             static_cast<int>(lo_width), static_cast<int>(hi_width), static_cast<int>(bias),
+             group_size, block_size, half ? nullptr : d.data_ptr<float>(),
+             sc.has_value() ? sc->data_ptr<int8_t>() : nullptr,
+             dmin.has_value() && !half ? dmin->data_ptr<float>() : nullptr,
+             m.has_value() ? m->data_ptr<int8_t>() : nullptr, static_cast<float>(sign)};
+  if (half) {
+    w.d16 = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    if (dmin.has_value()) w.dmin16 = reinterpret_cast<const uint16_t*>(dmin->data_ptr<at::Half>());
+  }
   const int hi_w = w.hi ? w.hi_w : 0;
   const RowsFn run = rows_fn(w.lo_w, hi_w, group_size);
   TORCH_CHECK(run != nullptr, "no KQx16 kernel for planes of ", lo_width, " + ",
@@ -755,7 +790,7 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
   }
 #endif
   const RowCodes16 qx =
-      quantize_kq(x.data_ptr<float>(), dims, group_size, dmin.has_value(), int8_tokens);
+      quantize_kq(x.data_ptr<float>(), dims, group_size, w.has_min(), int8_tokens);
   std::vector<int32_t> csum;
   if (w.bias != 0) csum = code_sums(qx, dims, group_size);
   const int32_t* cs = csum.empty() ? nullptr : csum.data();

@@ -52,7 +52,9 @@ def error_bound(x: torch.Tensor, w: KQx16) -> torch.Tensor:
     dx = x.double().abs().amax(dim=-1, keepdim=True) / 32767  # [M, 1]
     codes = (w.codes().double() - w.bias).view(n, k // g, g)
     per_block = KQ_LAYOUTS[w.type_name][3] // g
-    scales = rows(w.d).double().repeat_interleave(per_block, dim=1) * rows(w.sc).double()
+    scales = rows(w.d).double().repeat_interleave(per_block, dim=1)
+    if w.sc is not None:  # None: half scales, every sc 1
+        scales = scales * rows(w.sc).double()
     terms = (codes * scales[..., None]).abs().sum(dim=(1, 2))  # [N]: sum |code * scale|
     magnitude = x.double().abs() @ w.dequantize().double().abs().t()
     return 0.5 * dx * terms[None, :] + 1e-6 * magnitude
@@ -110,7 +112,7 @@ def test_int8_activations_multiply_exactly_their_codes(type_name: str) -> None:
     for n in (16, 48, 80):
         w = random_weight(type_name, n, k, seed=n)
         dense = w.dequantize().double()
-        for m in M_VALUES:
+        for m in [*M_VALUES, 6, 7, 8, 16]:  # passes of up to 8 rows on this path
             x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4
             out = kq_x16_matmul(x, w, act_bits=8).double()
             xq = int8_codes(x)
@@ -149,9 +151,19 @@ def test_bad_arguments_are_refused() -> None:
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="multiple of the float block"):
         kq_x16_matmul(torch.randn(2, 288), w)
-    broken = KQx16(w.type_name, w.planes, w.d.half(), w.sc, w.dmin, w.m, w.bias, w.sign)
+    broken = KQx16(w.type_name, w.planes, w.d.double(), w.sc, w.dmin, w.m, w.bias, w.sign)
     with pytest.raises(RuntimeError, match="d must be contiguous"):
         kq_x16_matmul(x, broken)
+    # float16 d only where there is one d per group (Q4_K's is one per 8 groups of 32)
+    half_d = KQx16(w.type_name, w.planes, w.d.half(), None, w.dmin, None, w.bias, w.sign)
+    with pytest.raises(RuntimeError, match="one d per group"):
+        kq_x16_matmul(x, half_d)
+    q5 = random_weight("Q5_1", 16, 256, seed=0)
+    assert q5.d.dtype == torch.float16 and q5.sc is None and q5.m is None
+    with_sc = KQx16(q5.type_name, q5.planes, q5.d, torch.ones(1, 8, 16, dtype=torch.int8),
+                    q5.dmin, None, q5.bias, q5.sign)  # fmt: skip
+    with pytest.raises(RuntimeError, match="without sc and m"):
+        kq_x16_matmul(x, with_sc)
     no_min = KQx16(w.type_name, w.planes, w.d, w.sc, w.dmin, None, w.bias, w.sign)
     with pytest.raises(RuntimeError, match="come together"):
         kq_x16_matmul(x, no_min)

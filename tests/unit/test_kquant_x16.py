@@ -1,6 +1,7 @@
 """The KQx16 layout (kernels/cpu/kquant.py): bit planes that round-trip, a 4-bit plane laid
 as the Q4x16 codes are, and every quantized tensor of the tiny K-quant files packed and
-dequantized bit for bit as the gguf package dequantizes the file."""
+dequantized bit for bit as the gguf package dequantizes the file, Q5_0 / Q5_1 in as many
+bytes as their files take."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from common.models.quant.kquants import KQUANT_TYPES, read_kq_x16
-from kernels.cpu.kquant import pack_plane, unpack_plane
+from kernels.cpu.kquant import KQx16, pack_plane, unpack_plane
 from kernels.cpu.quant import pack_q4_codes, pack_q4_x16
 
 FILES = Path(__file__).resolve().parents[1] / "data" / "kquants"
@@ -61,3 +62,20 @@ def test_file_tensors_pack_and_dequantize_bit_for_bit(preset: str) -> None:
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), tensor.name
         seen.add(type_name)
     assert seen
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q4_K"])
+def test_one_float_per_group_is_held_as_the_files_float16(type_name: str) -> None:
+    from tests.unit.test_kquants import random_blocks
+
+    n, k = 32, 256
+    w = read_kq_x16(type_name, random_blocks(type_name, n, k, seed=3), n, k)
+    if type_name == "Q4_K":  # a float per 256 and a 6-bit scale per 32: float32, as before
+        assert w.d.dtype == torch.float32 and w.sc is not None
+        return
+    assert w.d.dtype == torch.float16 and w.sc is None and w.m is None
+    assert (w.dmin is not None) == (type_name == "Q5_1")
+    assert w.num_bytes == n * k // 32 * {"Q5_0": 22, "Q5_1": 24}[type_name]  # the file's size
+    halves = KQx16.cat([w.blocks(slice(0, 1)), w.blocks(slice(1, 2))])
+    assert halves.d.dtype == torch.float16
+    assert torch.equal(halves.dequantize(), w.dequantize())
