@@ -613,6 +613,48 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// Rows ids [T] of a Q8x16 weight (kernels/cpu/quant.py: codes int8 [N/16, K/32, 16, 32],
+// byte 2i + h of chunk c of n-block j, sub-block b is q[16j + i, 32b + 2c + h]; scales
+// float16 [N/16, K/G, 16]) dequantized to float32 [T, K]: each value float(q) * float(scale),
+// one rounding, as dequantize_q8_ref computes it. An embedding lookup: a few microseconds
+// for a decode step's rows, where gathering them with torch's indexing took about 100.
+torch::Tensor q8x16_rows(const torch::Tensor& packed, const torch::Tensor& scales,
+                         int64_t group_size, const torch::Tensor& ids) {
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32,
+              "packed must be contiguous int8 [N/16, K/32, 16, 32]");
+  const int64_t blocks = packed.size(0), num_sub = packed.size(1), k = num_sub * 32;
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 dividing K = ", k);
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.numel() == blocks * (k / group_size) * 16,
+              "scales must be contiguous float16 [N/16, K/G, 16]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be int64 [T]");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t t = idc.size(0), groups = k / group_size;
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < blocks * 16, "row id ", ip[r], " out of range for ",
+                blocks * 16, " rows");
+  auto out = torch::empty({t, k}, torch::dtype(torch::kFloat32));
+  const int8_t* codes = packed.data_ptr<int8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t j = ip[r] / 16, i = ip[r] % 16;
+    float* row = op + r * k;
+    for (int64_t b = 0; b < num_sub; ++b) {
+      const int8_t* chunks = codes + (j * num_sub + b) * 512 + 2 * i;
+      const float scale = static_cast<float>(sp[(j * groups + b * 32 / group_size) * 16 + i]);
+      for (int64_t c = 0; c < 16; ++c) {
+        row[b * 32 + 2 * c] = static_cast<float>(chunks[c * 32]) * scale;
+        row[b * 32 + 2 * c + 1] = static_cast<float>(chunks[c * 32 + 1]) * scale;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace pdserve_cpu
 
 // Attention lets go of the GIL while it runs (as the matmuls do); the small ops keep it,
@@ -636,5 +678,7 @@ void register_ops(pybind11::module& m) {
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "one query per sequence over its paged context");
   m.def("silu_and_mul", &silu_and_mul, "gate_up [T, 2I] -> silu(gate) * up");
+  m.def("q8x16_rows", &q8x16_rows,
+        "rows ids [T] of a Q8x16 weight (codes, float16 scales) dequantized, float32 [T, K]");
   m.def("argmax_rows", &argmax_rows, "x [n, V] -> each row's first index of its maximum");
 }

@@ -117,6 +117,20 @@ def gather_q8_x16(
     return codes.reshape(ids.numel(), num_sub * SUB_BLOCK), scales[blocks, :, lanes]
 
 
+def q8x16_rows(
+    packed: torch.Tensor, scales: torch.Tensor, group_size: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``ids`` [T] of Q8x16 weights dequantized, float32 [T, K]: the bits of
+    ``gather_q8_x16`` then ``dequantize_q8_ref``, in one C++ pass (ops.cpp)."""
+    from kernels.cpu import available
+
+    if not available():
+        codes, row_scales = gather_q8_x16(packed, scales, ids)
+        return dequantize_q8_ref(codes, row_scales, group_size)
+    out: torch.Tensor = load().q8x16_rows(packed, scales, group_size, ids.long())
+    return out
+
+
 def _lanes(per_row: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/16, X, 16]
     n = per_row.shape[0]
     return per_row.view(n // X16, X16, -1).transpose(1, 2).contiguous()

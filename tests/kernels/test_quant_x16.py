@@ -127,6 +127,22 @@ def test_lookup_takes_the_same_rows_in_either_layout() -> None:
         assert torch.equal(w.lookup(ids), w.dequantize()[ids])
 
 
+@pytest.mark.parametrize("group", [32, 64, 192])
+def test_q8_x16_rows_are_the_python_gather_bit_for_bit(group: int) -> None:
+    """The C++ lookup (ops.cpp q8x16_rows) against the torch gather and dequantization it
+    replaces, per channel (G = K) and per group; no ids; an id past the table refused."""
+    gen = torch.Generator().manual_seed(group)
+    w = random_q8(48, 192, group, gen).to_x16()
+    ids = torch.tensor([47, 0, 16, 17, 47, 5, 31, 32])
+    codes, scales = cpu_quant.gather_q8_x16(w.qweight, w.scales, ids)
+    expected = cpu_quant.dequantize_q8_ref(codes, scales, group)
+    got = cpu_quant.q8x16_rows(w.qweight, w.scales, group, ids)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert cpu_quant.q8x16_rows(w.qweight, w.scales, group, ids[:0]).shape == (0, 192)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_quant.q8x16_rows(w.qweight, w.scales, group, torch.tensor([48]))
+
+
 @pytest.mark.parametrize(("kind", "group", "k"), CASES)
 def test_x16_matmul_matches_float64_reference(kind: str, group: int | str, k: int) -> None:
     gen = torch.Generator().manual_seed(k * 7 + len(str(group)))

@@ -31,10 +31,10 @@ from kernels.cpu.quant import (
     dequantize_q4_ref,
     dequantize_q8_ref,
     gather_q4_x16,
-    gather_q8_x16,
     pack_q4_codes,
     pack_q4_x16,
     pack_q8_x16,
+    q8x16_rows,
     unpack_q4_x16,
     unpack_q8_x16,
 )
@@ -178,8 +178,7 @@ class Q8Weight:
         """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup)."""
         if self.layout == "rows":
             return self[ids].dequantize()
-        rows = gather_q8_x16(self.qweight, self.scales, ids)
-        return Q8Weight(*rows, self.group_size).dequantize()
+        return q8x16_rows(self.qweight, self.scales, self.group_size, ids)
 
     def dequantize(self) -> torch.Tensor:
         if self.layout != "rows":
