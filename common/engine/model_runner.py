@@ -387,6 +387,8 @@ class ModelRunner:
             if chunks_can_be_dense and req.num_prompt_tokens >= DENSE_MIN_ROWS:
                 num_dense = min(n, max(0, req.num_prompt_tokens - req.num_computed_tokens))
             dense.extend([True] * num_dense + [False] * (n - num_dense))
+        if len(dense) < DENSE_MIN_ROWS and not any(dense):
+            return None  # every layer takes the packed kernel either way (decode steps)
         return torch.tensor(dense, dtype=torch.bool)
 
     def _log_softmax(self, hidden: torch.Tensor) -> torch.Tensor:
