@@ -165,6 +165,9 @@ inline __m512i joined_bits(const __m512i* lo, const __m512i* hi) {
 template <int LO, int HI, int G, int R, int T>
 struct SubBlock {
   static constexpr int kHi = HI > 0 ? HI : 1;
+  // With one group a sub-block (G = 32) and at most 2 sums in the tile, the pairs alternate
+  // between two sums (two chains of vpdpwssd, joined after the sub-block), as SubBlockI8's.
+  static constexpr bool kSplit = G == 32 && R * T <= 2;
   __m512i lo[T][LO];
   __m512i hi[T][kHi];
   __m512i sum[R][T][2];
@@ -172,7 +175,7 @@ struct SubBlock {
 
   template <int P>
   inline void pair() {
-    const int half = P / (G / 2);
+    const int half = kSplit ? P % 2 : P / (G / 2);
     for (int t = 0; t < T; ++t) {
       __m512i v;
       if constexpr (HI > 0) {
@@ -217,6 +220,9 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
       for (int t = 0; t < T; ++t) sb.sum[r][t][0] = sb.sum[r][t][1] = _mm512_setzero_si512();
     }
     sb.pairs(std::make_integer_sequence<int, 16>{});
+    if constexpr (SubBlock<LO, HI, G, R, T>::kSplit)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sb.sum[r][t][0] = _mm512_add_epi32(sb.sum[r][t][0], sb.sum[r][t][1]);
     for (int q = 0; q < groups_per_sub; ++q) {
       const int64_t g = b * groups_per_sub + q;
       if (csum != nullptr) {  // sum (u - bias) x = sum u x - bias * sum x, in integers
@@ -245,12 +251,15 @@ void kq_tile(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
                        _mm512_mul_ps(acc[r][t], _mm512_set1_ps(qx.dx[m0 + r])));
 }
 
-// Rows [m0, m0 + rows) (at most kMaxRows) against n-blocks [j0, j1): a lone row takes 4
-// n-blocks a pass (4 independent chains of vpdpwssd), 2-4 rows take 2.
+// Rows [m0, m0 + rows) (at most kMaxRows) against n-blocks [j0, j1): a lone row takes one
+// n-block a pass (its sums in two chains: kSplit), 2-4 rows take 2. A lone row is bound by
+// how fast its weights stream from memory; one n-block at a time, a thread reads each plane
+// as one run of addresses, where several n-blocks a pass read several runs a few KB apart
+// (measured 7-15 % faster per step, loadtest/bench_kquant.py --rows 1 --layers 36).
 template <int LO, int HI, int G>
 void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
              int64_t m0, int rows, int64_t j0, int64_t j1, const Dims& dims, float* out) {
-  each_tile<4>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
+  each_tile<1>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
     kq_tile<LO, HI, G, R, T>(w, qx, csum, m0, j, dims, out);
   });
 }
@@ -444,7 +453,7 @@ void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
 template <int LO, int HI, int G>
 void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int rows, int64_t j0,
                 int64_t j1, const Dims& dims, float* out) {
-  each_tile<2>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
+  each_tile<1>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
     kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out);
   });
 }

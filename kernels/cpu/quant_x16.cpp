@@ -54,10 +54,12 @@ namespace {
 
 constexpr int64_t kSub = 32;
 constexpr int64_t kLanes = 16;
-// n-blocks per pass: a lone row takes 4 (4 independent chains of vpdpwssd), tiles of 2-4 rows
-// take 2 (8 chains at 4 rows, with 16 accumulators and the unpacked codes in 32 registers).
-// loadtest/bench_quant.py measured 8 / 4 and 2 / 1 no faster on SmolLM2's shapes.
-constexpr int kSingleRowBlocks = 4;
+// n-blocks per pass: a lone row takes 1 (its sums in two chains), tiles of 2-4 rows take 2 (8
+// chains at 4 rows, with 16 accumulators and the unpacked codes in 32 registers). A lone row
+// is bound by how fast its weights stream from memory, and one n-block at a time reads one
+// run of addresses per thread where 4 read 4 runs 9 KB apart (for K = 576): measured 7-12 %
+// faster per step (loadtest/bench_quant.py --rows 1, weights from DRAM).
+constexpr int kSingleRowBlocks = 1;
 constexpr int kTileBlocks = 2;
 // Rows of x per pass over the weights: 5-8 rows take one n-block at a time (8 int32 and 8
 // float32 accumulators), so a speculative verify of up to 7 guesses unpacks each weight once
@@ -260,10 +262,11 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  constexpr bool kSplit = R * T <= 2;  // a small tile: two chains (even and odd c)
   for (int64_t b = 0; b < num_sub; ++b) {
-    __m512i sum[R][T];
+    __m512i sum[R][T], odd[R][T];
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+      for (int t = 0; t < T; ++t) sum[r][t] = odd[r][t] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       for (int t = 0; t < T; ++t) {
         const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
@@ -273,15 +276,19 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
         const __m512i v3 = _mm512_srli_epi16(w, 12);
         for (int r = 0; r < R; ++r) {
           const int16_t* xp = qx.codes.data() + (m0 + r) * d.K + b * kSub + c * 8;
-          __m512i s = sum[r][t];
+          __m512i& chain = kSplit && c % 2 ? odd[r][t] : sum[r][t];
+          __m512i s = chain;
           s = _mm512_dpwssd_epi32(s, v0, pair_of(xp));
           s = _mm512_dpwssd_epi32(s, v1, pair_of(xp + 2));
           s = _mm512_dpwssd_epi32(s, v2, pair_of(xp + 4));
           s = _mm512_dpwssd_epi32(s, v3, pair_of(xp + 6));
-          sum[r][t] = s;
+          chain = s;
         }
       }
     }
+    if constexpr (kSplit)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sum[r][t] = _mm512_add_epi32(sum[r][t], odd[r][t]);
     const int64_t g = b / subs_per_group;
     const bool group_end = (b + 1) % subs_per_group == 0;
     for (int t = 0; t < T; ++t) {
@@ -317,9 +324,10 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
   // With one scale per row, the int32 sums are converted every 8 sub-blocks: each is at
   // most 256 * 32767 * 127 < 2^31.
   const int64_t flush_every = per_row ? 8 : subs_per_group;
-  __m512i sum[R][T];
+  constexpr bool kSplit = R * T <= 2;  // a small tile: two chains (even and odd c)
+  __m512i sum[R][T], odd[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) sum[r][t] = _mm512_setzero_si512();
+    for (int t = 0; t < T; ++t) sum[r][t] = odd[r][t] = _mm512_setzero_si512();
   for (int64_t b = 0; b < num_sub; ++b) {
     for (int c = 0; c < 16; ++c) {
       for (int t = 0; t < T; ++t) {
@@ -327,11 +335,18 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
             qw + (j0 + t) * block_stride + b * 512 + c * 32)));
         for (int r = 0; r < R; ++r) {
           const int16_t* xp = qx.codes.data() + (m0 + r) * d.K + b * kSub + c * 2;
-          sum[r][t] = _mm512_dpwssd_epi32(sum[r][t], v, pair_of(xp));
+          __m512i& chain = kSplit && c % 2 ? odd[r][t] : sum[r][t];
+          chain = _mm512_dpwssd_epi32(chain, v, pair_of(xp));
         }
       }
     }
     if ((b + 1) % flush_every == 0 || b + 1 == num_sub) {
+      if constexpr (kSplit)
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < T; ++t) {
+            sum[r][t] = _mm512_add_epi32(sum[r][t], odd[r][t]);
+            odd[r][t] = _mm512_setzero_si512();
+          }
       const int64_t g = per_row ? 0 : b / subs_per_group;
       for (int t = 0; t < T; ++t) {
         const __m512 sv =
