@@ -661,11 +661,12 @@ void kq_tile8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_
     }
 }
 
-// Rows [m0, m0 + rows) against halves [h0, h1): a lone row takes 4 halves a pass, more rows 2.
+// Rows [m0, m0 + rows) against halves [h0, h1): a tile is 2 halves, one n-block (a lone row
+// reads each plane as one run of addresses, as on the AVX-512 path; kq_rows above).
 template <int LO, int HI, int G>
 void kq_rows8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
               int64_t m0, int rows, int64_t h0, int64_t h1, const Dims& dims, float* out) {
-  each_tile<4>(rows, h0, h1, [&]<int R, int T>(int64_t h) {
+  each_tile<2>(rows, h0, h1, [&]<int R, int T>(int64_t h) {
     kq_tile8<LO, HI, G, R, T>(w, qx, csum, m0, h, dims, out);
   });
 }
