@@ -226,14 +226,14 @@ class KQx16:
         """From the rows: codes uint8 [N, K], d / dmin float32 [N, K / L], sc / m integer
         [N, K / G] (columns in ``perm``'s order where one is given). Held as half scales
         (the module's docstring) wherever that is exact."""
-        bits, widths, group, block = kq_layout(type_name)
+        bits, widths, _, _ = kq_layout(type_name)
         assert int(u.max()) < 1 << bits, f"{type_name} codes exceed {bits} bits"
         planes, shift = [], 0
         for width in widths:
             planes.append(pack_plane((u >> shift) & ((1 << width) - 1), width))
             shift += width
         big = [None if t is None else t.float() for t in (d, dmin)]
-        if _half_exact(group, block, big, sc, m) and not (is_affine(type_name) and m is not None):
+        if _half_exact(type_name, big, sc, m):
             halves = [None if t is None else lanes(t.half()) for t in big]
             return KQx16(
                 type_name, planes, halves[0], None, halves[1], None, bias, sign, perm,  # type: ignore[arg-type]
@@ -287,17 +287,15 @@ class KQx16:
 
 
 def _half_exact(
-    group: int,
-    block: int,
-    floats: list[torch.Tensor | None],
-    sc: torch.Tensor,
-    m: torch.Tensor | None,
+    type_name: str, floats: list[torch.Tensor | None], sc: torch.Tensor, m: torch.Tensor | None
 ) -> bool:
     """Whether a weight's scales hold exactly as half scales: one float per group, every
-    small integer 1, every float a float16 value."""
+    small integer 1, every float a float16 value. (Checkpoints' integer codes keep a zero
+    point's m, which ``dequantize`` subtracts from the codes.)"""
+    _, _, group, block = kq_layout(type_name)
     if block != group or not bool((sc == 1).all()):
         return False
-    if m is not None and (floats[1] is None or not bool((m == 1).all())):
+    if m is not None and (is_affine(type_name) or floats[1] is None or not bool((m == 1).all())):
         return False
     return all(t is None or torch.equal(t.half().float(), t) for t in floats)
 

@@ -593,6 +593,20 @@ inline __m256 halves8(const uint16_t* h) {  // 8 float16 values widened (exactly
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
+// group_scale and group_min (the AVX-512 path's) for 8 lanes.
+inline __m256 group_scale8(const KqWeight& w, int64_t at_block, int64_t at_group) {
+  return w.d16 ? halves8(w.d16 + at_block)
+               : _mm256_mul_ps(_mm256_loadu_ps(w.d + at_block), small_scales8(w.sc + at_group));
+}
+
+inline __m256 group_min8(const KqWeight& w, int64_t at_block, int64_t at_group) {
+  if (!w.has_min()) return _mm256_setzero_ps();
+  const __m256 v = w.dmin16 ? halves8(w.dmin16 + at_block)
+                            : _mm256_mul_ps(_mm256_loadu_ps(w.dmin + at_block),
+                                            small_scales8(w.m + at_group));
+  return w.sign < 0 ? _mm256_sub_ps(_mm256_setzero_ps(), v) : v;
+}
+
 // R rows of x against T halves (8 lanes each) from half h0 (half 2j + e is n-block j's
 // lanes 8e..8e+7).
 template <int LO, int HI, int G, int R, int T>
@@ -634,16 +648,8 @@ void kq_tile8(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_
         const int64_t j = (h0 + t) / 2, e = (h0 + t) % 2;
         const int64_t at_block = (j * blocks + g * G / w.L) * kLanes + e * 8;
         const int64_t at_group = (j * groups + g) * kLanes + e * 8;
-        const __m256 scale =
-            w.d16 ? halves8(w.d16 + at_block)
-                  : _mm256_mul_ps(_mm256_loadu_ps(w.d + at_block), small_scales8(w.sc + at_group));
-        __m256 min_term = _mm256_setzero_ps();
-        if (w.has_min()) {
-          min_term = w.dmin16 ? halves8(w.dmin16 + at_block)
-                              : _mm256_mul_ps(_mm256_loadu_ps(w.dmin + at_block),
-                                              small_scales8(w.m + at_group));
-          if (w.sign < 0) min_term = _mm256_sub_ps(_mm256_setzero_ps(), min_term);
-        }
+        const __m256 scale = group_scale8(w, at_block, at_group);
+        const __m256 min_term = group_min8(w, at_block, at_group);
         for (int r = 0; r < R; ++r) {
           acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb.sum[r][t][q]), scale, acc[r][t]);
           if (w.has_min())

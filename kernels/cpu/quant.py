@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import load
+from kernels.cpu import available, load
 
 SUB_BLOCK = 32
 
@@ -122,8 +122,6 @@ def q8x16_rows(
 ) -> torch.Tensor:
     """Rows ``ids`` [T] of Q8x16 weights dequantized, float32 [T, K]: the bits of
     ``gather_q8_x16`` then ``dequantize_q8_ref``, in one C++ pass (ops.cpp)."""
-    from kernels.cpu import available
-
     if not available():
         codes, row_scales = gather_q8_x16(packed, scales, ids)
         return dequantize_q8_ref(codes, row_scales, group_size)
