@@ -59,8 +59,38 @@ class ContextFilter(logging.Filter):
         return True
 
 
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+_SEND_AFTER_PEER_LEFT = "ExecuteBatchError raised in core by servicer method"
+
+
+class PeerGoneFilter(logging.Filter):
+    """grpc.aio's report of a stream write that failed because the client had left: a warning.
+
+    grpc.aio ignores a failed write once it has seen the client close the call, but the close
+    arrives on a task of its own: a client that cancels while a message is being sent can fail
+    that send first, and grpc then logs the failure as an ERROR with a traceback that names
+    nothing but the send. It is the client's cancellation, not a fault of the server (the
+    call is over either way, and the servicer's cleanup runs as for any cancellation), so the
+    record becomes one WARNING line that says so. Every other record passes as it is.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith(_SEND_AFTER_PEER_LEFT):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = (
+                f"{record.getMessage()}: a stream write failed after its client went away "
+                "(a cancellation racing the send)"
+            )
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def configure_logging(level: str) -> None:
     """The process's root logger: stderr, our format, trace and request context."""
+    core = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(f, PeerGoneFilter) for f in core.filters):
+        core.addFilter(PeerGoneFilter())
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
     handler.setFormatter(logging.Formatter(FORMAT))
