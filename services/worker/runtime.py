@@ -137,6 +137,7 @@ class WorkerRuntime:
             task.cancel()
         # Bookkeeping still running (store writes, lease releases retried against a producer
         # that does not answer) gets a few seconds, then is cancelled.
+        self.store.hurry()
         if self._background:
             _, late = await asyncio.wait(list(self._background), timeout=BACKGROUND_GRACE_S)
             for task in late:

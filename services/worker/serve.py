@@ -9,6 +9,7 @@ leases on exported KV get the grace period; then what is left ends with UNAVAILA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -72,7 +73,12 @@ async def drain_worker(runtime: WorkerRuntime, grace_s: float) -> None:
         runtime.num_active_calls,
         len(runtime.leases),
     )
+    # The blocks written behind so far go to the store first, so that the callers resuming
+    # elsewhere find them (what the last steps fill is written after, racing the resumes).
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(runtime.store.flush(), _END_WAIT_S)
     runtime.end_streams()
+    runtime.store.hurry()
     deadline = asyncio.get_running_loop().time() + _END_WAIT_S
     while runtime.num_active_calls and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)

@@ -53,7 +53,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
 # Every stream has at least this many tokens when the worker dies: more than a block (16
 # tokens), so each has filled a block of generated tokens past its prompt's last full one,
-# and a few more steps for the killed worker to have written that block behind. (At 8, with
+# and a few more steps for the killed worker to have written that block behind (a block goes
+# to the store within services/worker/store_tier.py's WRITE_BEHIND_INTERVAL_S of filling). (At 8, with
 # streams as even as they now run, none had crossed a boundary in one run of this test.)
 KILL_AFTER_TOKENS = 20
 # Drain grace period of every process of the stack: short enough that a fresh 64-token
