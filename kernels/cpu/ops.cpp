@@ -238,7 +238,18 @@ void store_row(const float* from, int64_t n, T* to) {
   if constexpr (std::is_same_v<T, float>) {
     std::copy_n(from, n, to);
   } else {
-    for (int64_t i = 0; i < n; ++i) to[i] = static_cast<T>(from[i]);
+    int64_t i = 0;
+#if defined(PDSERVE_AVX2) && defined(__F16C__)
+    if constexpr (std::is_same_v<T, at::Half>) {
+      // vcvtps2ph rounds to nearest even, as c10::Half's conversion does, 8 at a time: a
+      // 1024-token prefill wrote its float16 KV in 45 ms one value at a time.
+      for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i), h);
+      }
+    }
+#endif
+    for (; i < n; ++i) to[i] = static_cast<T>(from[i]);
   }
 }
 

@@ -198,6 +198,26 @@ def test_write_kv_stores_exactly_at_the_slots(ops: ModuleType, dtype: torch.dtyp
     assert bool(flat_k[untouched].isnan().all()) and bool(flat_v[untouched].isnan().all())
 
 
+def test_float16_kv_rounds_every_value_as_torch_does(ops: ModuleType) -> None:
+    """8 values at a time (vcvtps2ph) and the rest one by one, the same bits as torch's
+    .to(float16): overflow to inf, values past float16's range to 0 or its subnormals, NaN,
+    -0; rows of 22 values (2 heads of 11), so each row has a tail past its last 8."""
+    gen = _gen(4)
+    num_tokens, heads, dim = 40, 2, 11
+    k = torch.randn(num_tokens, heads, dim, generator=gen)
+    k *= torch.logspace(-10, 6, num_tokens).view(-1, 1, 1)  # 1e-10 .. 1e6: every range
+    edges = [65504.0, 65519.0, 65520.0, 1e6, -6e-8, 3e-8, 2.9e-8, -0.0, float("inf"), float("nan")]
+    k.view(-1)[: len(edges)] = torch.tensor(edges)
+    v = -k.flip(0).contiguous()
+    k_cache = torch.zeros(10, 4, heads, dim, dtype=torch.float16)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(40, generator=gen)
+    ops.write_kv(k, v, k_cache, v_cache, slots)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        stored = cache.view(-1, heads, dim)[slots]
+        assert torch.equal(stored.view(torch.int16), x.to(torch.float16).view(torch.int16))
+
+
 def test_write_kv_argument_checks(ops: ModuleType) -> None:
     cache = torch.zeros(2, 4, 2, 8)
     k = torch.randn(3, 2, 8)
