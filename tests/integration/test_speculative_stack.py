@@ -175,7 +175,6 @@ def test_the_decode_span_says_what_was_proposed_and_kept(
     traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
     responses = generate(spec_stack, request, (("traceparent", traceparent),))
     sizes = [len(r.token_ids) for r in responses if r.token_ids]
-    assert sum(sizes) == MAX_TOKENS and max(sizes) > 1  # bursts reached the client
 
     def decoded(found: list[ReceivedSpan]) -> bool:
         return any(s.service == "pdserve-decode" and s.name == "decode" for s in found)
@@ -183,6 +182,10 @@ def test_the_decode_span_says_what_was_proposed_and_kept(
     (decode,) = [s for s in spans.wait_for(decoded, trace_id)
                  if s.service == "pdserve-decode" and s.name == "decode" and s.kind == INTERNAL]  # fmt: skip
     attrs = decode.attributes
+    # Bursts reached the client. (On failure, the span says whether guesses were made: CI
+    # saw every message carry one token once, in stop 43's run.)
+    spec = {k: v for k, v in attrs.items() if k.startswith("pdserve.spec.")}
+    assert sum(sizes) == MAX_TOKENS and max(sizes) > 1, (sizes, spec)
     rounds, proposed, kept = (attrs[f"pdserve.spec.{k}"]
                               for k in ("rounds", "draft_tokens", "accepted_tokens"))  # fmt: skip
     assert rounds > 0 and 0 < kept <= proposed <= 4 * rounds  # 4 guesses a round at most
