@@ -131,10 +131,8 @@ def main() -> None:
     print(f"median output tok/s: A {medians['A']:.1f}, B {medians['B']:.1f}, "
           f"A / B {medians['A'] / medians['B']:.3f}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"arms": {k: str(v) for k, v in arms.items()},
-                                         "args": vars(args) | {"a": str(args.a), "b": str(args.b),
-                                                               "json": str(args.json)},
-                                         "runs": runs, "medians": medians}, indent=2))  # fmt: skip
+        record = {"arms": arms, "args": vars(args), "runs": runs, "medians": medians}
+        args.json.write_text(json.dumps(record, indent=2, default=str))
 
 
 if __name__ == "__main__":

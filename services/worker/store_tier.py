@@ -15,11 +15,13 @@ import contextlib
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import torch
 from opentelemetry.trace import Span
 
 from common.engine.request import FullBlocks, KvImport
@@ -80,7 +82,7 @@ class StoreTier:
         self.breaker = CircuitBreaker(
             STORE_FAILURE_THRESHOLD, STORE_COOLDOWN_S, on_change=self._state_changed
         )
-        self._pending: list[FullBlocks] = []
+        self._pending: deque[FullBlocks] = deque()
         self.num_blocks_pending = 0
         self._writing = False  # a write-behind task runs
         self._hurry = asyncio.Event()  # write what is pending now (drain, stop)
@@ -229,9 +231,9 @@ class StoreTier:
                 if wait_s > 0 and not self._hurry.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._hurry.wait(), wait_s)
-                batch = self._take_batch()
+                hashes, data = self._take_batch()
                 self._last_put_at = loop.time()
-                await self.put([int(h) for h in batch.block_hashes], batch.data)
+                await self.put(hashes, data)
         finally:
             self._writing = False
             self._hurry.clear()
@@ -240,21 +242,19 @@ class StoreTier:
                 self.num_blocks_pending = 0
             self._written.set()
 
-    def _take_batch(self) -> FullBlocks:
-        """Up to MAX_BLOCKS_PER_PUT pending blocks (at least one request's), each hash once."""
-        parts: list[FullBlocks] = []
+    def _take_batch(self) -> tuple[list[int], torch.Tensor]:
+        """Up to MAX_BLOCKS_PER_PUT pending blocks (at least one request's), each hash once:
+        their hashes and data."""
+        hashes: list[int] = []
         seen: set[int] = set()
+        parts: list[torch.Tensor] = []
         num_taken = 0
-        while self._pending and (not parts or num_taken < MAX_BLOCKS_PER_PUT):
-            part = self._pending.pop(0)
+        while self._pending and num_taken < MAX_BLOCKS_PER_PUT:
+            part = self._pending.popleft()
             self.num_blocks_pending -= len(part.block_hashes)
             num_taken += len(part.block_hashes)
             keep = [i for i, h in enumerate(part.block_hashes) if int(h) not in seen]
-            seen.update(int(h) for h in part.block_hashes)
-            if len(keep) == len(part.block_hashes):
-                parts.append(part)
-            elif keep:
-                parts.append(FullBlocks([part.block_hashes[i] for i in keep], part.data[keep]))
-        joined = FullBlocks.join(parts)
-        assert joined is not None
-        return joined
+            hashes += [int(part.block_hashes[i]) for i in keep]
+            seen.update(hashes[len(hashes) - len(keep) :])
+            parts.append(part.data if len(keep) == len(part.block_hashes) else part.data[keep])
+        return hashes, parts[0] if len(parts) == 1 else torch.cat(parts)
