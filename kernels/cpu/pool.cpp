@@ -6,13 +6,22 @@
 // thread, the gateway, the block store), the scheduler often has one of the two engine
 // threads off its core for a while, and every region then waits for it: measured on 2 cores,
 // a decode worker serving one stream ran its steps at 19 ms instead of the 8.4 ms they take
-// alone, most of it in OpenMP's barrier. Here a call is split into small chunks claimed from
-// an atomic counter; the caller claims chunks too, and when none is left it waits only for
-// chunks already claimed. A helper that wakes late finds nothing to do.
+// alone, most of it in OpenMP's barrier. Here each thread (the caller too) owns a contiguous
+// share of a call's range and claims small chunks from its front; a thread whose share is
+// done takes chunks from the back of the others', and when none is left anywhere the caller
+// waits only for chunks already claimed. A helper that wakes late finds its share taken.
+// Contiguous shares, rather than chunks dealt from one counter in turn, keep each thread on
+// one run of addresses (a lone row's weights stream through the hardware prefetchers as one
+// stream a thread, not one per chunk).
 //
 // Threads: as many as torch's (at::get_num_threads(), so --threads governs them), the
-// caller included. Helpers spin briefly on the next task, then sleep. One call at a time:
-// a second thread calling while a call runs does its work alone.
+// caller included. Helpers spin briefly on the next task, then sleep. A spinning thread (a
+// helper between tasks, the caller waiting for a claimed chunk) offers its core to the
+// machine's other runnable threads every kPausesPerYield pauses: on 2 cores shared with the
+// gateway, the gRPC thread and the block store, the stack at 16 streams gave 6.7 % more
+// tokens a second (median of 4 alternations; docs/benchmarks/2026-12-04-quant/README.md),
+// and where nothing else wants the core the yield returns at once. One call at a time: a
+// second thread calling while a call runs does its work alone.
 
 #include <ATen/Parallel.h>
 
@@ -24,6 +33,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <sched.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -37,24 +48,58 @@
 namespace {
 
 constexpr int kSpinIterations = 20000;  // about 0.1 ms of pause before a helper sleeps
+constexpr int kPausesPerYield = 64;     // a spinning thread offers its core this often
 constexpr int64_t kChunksPerThread = 8;
+constexpr int kMaxThreads = 64;
+
+// One thread's share of a call, [lo, hi) packed in one word: its owner claims chunks from
+// lo upward, a thread whose own share is done takes chunks from hi downward.
+struct alignas(64) Share {
+  std::atomic<uint64_t> range{0};
+};
+
+uint64_t pack(int64_t lo, int64_t hi) {
+  return (static_cast<uint64_t>(lo) << 32) | static_cast<uint64_t>(hi);
+}
+int64_t lo_of(uint64_t r) { return static_cast<int64_t>(r >> 32); }
+int64_t hi_of(uint64_t r) { return static_cast<int64_t>(r & 0xffffffffu); }
 
 struct Task {
   const std::function<void(int64_t, int64_t)>* fn = nullptr;
   int64_t n = 0, chunk = 1;
-  int num_helpers = 0;  // helpers allowed to join (threads - 1)
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int num_threads = 1;    // shares: the caller's (0) and one per helper allowed to join
+  alignas(64) std::atomic<int64_t> done{0};
+  Share shares[kMaxThreads];
 
-  // Claims and runs chunks until none is left; returns when this thread has no more.
-  void work() {
-    while (true) {
-      const int64_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (begin >= n) return;
-      const int64_t end = std::min(n, begin + chunk);
-      (*fn)(begin, end);
-      done.fetch_add(end - begin, std::memory_order_release);
+  // Each thread walks its own contiguous share from the front (one run of addresses, which
+  // the hardware prefetchers follow across chunks), then takes chunks from the back of the
+  // others' shares; returns when none is left anywhere.
+  void work(int self) {
+    int64_t ran = 0;
+    while (true) {  // own share, front first
+      uint64_t r = shares[self].range.load(std::memory_order_relaxed);
+      const int64_t lo = lo_of(r), hi = hi_of(r);
+      if (lo >= hi) break;
+      const int64_t end = std::min(hi, lo + chunk);
+      if (!shares[self].range.compare_exchange_weak(r, pack(end, hi), std::memory_order_relaxed))
+        continue;
+      (*fn)(lo, end);
+      ran += end - lo;
     }
+    for (int k = 1; k < num_threads; ++k) {  // the others' shares, back first
+      Share& other = shares[(self + k) % num_threads];
+      while (true) {
+        uint64_t r = other.range.load(std::memory_order_relaxed);
+        const int64_t lo = lo_of(r), hi = hi_of(r);
+        if (lo >= hi) break;
+        const int64_t begin = std::max(lo, hi - chunk);
+        if (!other.range.compare_exchange_weak(r, pack(lo, begin), std::memory_order_relaxed))
+          continue;
+        (*fn)(begin, hi);
+        ran += hi - begin;
+      }
+    }
+    if (ran > 0) done.fetch_add(ran, std::memory_order_release);
   }
 };
 
@@ -70,11 +115,11 @@ class Pool {
   }
 
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-    const int threads = std::max(1, at::get_num_threads());
+    const int threads = std::min(kMaxThreads, std::max(1, at::get_num_threads()));
     const int64_t chunk =
         std::max<int64_t>(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
     std::unique_lock<std::mutex> caller(call_mutex_, std::try_to_lock);
-    if (threads == 1 || n <= chunk || !caller.owns_lock()) {
+    if (threads == 1 || n <= chunk || n > 0xffffffffLL || !caller.owns_lock()) {
       fn(0, n);  // one chunk, one thread, or another call in flight: alone
       return;
     }
@@ -83,15 +128,21 @@ class Pool {
     task.fn = &fn;
     task.n = n;
     task.chunk = chunk;
-    task.num_helpers = threads - 1;
+    task.num_threads = threads;
+    for (int t = 0; t < threads; ++t)
+      task.shares[t].range.store(pack(n * t / threads, n * (t + 1) / threads),
+                                 std::memory_order_relaxed);
     current_.store(&task, std::memory_order_seq_cst);
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    task.work();
-    while (task.done.load(std::memory_order_acquire) < n) PDSERVE_PAUSE();
+    task.work(0);
+    for (int spins = 1; task.done.load(std::memory_order_acquire) < n; ++spins) {
+      PDSERVE_PAUSE();
+      if ((spins & (kPausesPerYield - 1)) == 0) sched_yield();
+    }
     // No helper may still look at the task once this call returns: it announces itself in
     // in_task_ before reading current_, so after this store and this wait none holds it.
     current_.store(nullptr, std::memory_order_seq_cst);
@@ -114,7 +165,7 @@ class Pool {
       int spins = 0;
       while (epoch_.load(std::memory_order_acquire) == seen && spins < kSpinIterations) {
         PDSERVE_PAUSE();
-        ++spins;
+        if ((++spins & (kPausesPerYield - 1)) == 0) sched_yield();
       }
       if (epoch_.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
@@ -126,7 +177,7 @@ class Pool {
       seen = epoch_.load(std::memory_order_acquire);
       in_task_.fetch_add(1, std::memory_order_seq_cst);
       Task* task = current_.load(std::memory_order_seq_cst);
-      if (task != nullptr && index < task->num_helpers) task->work();
+      if (task != nullptr && index + 1 < task->num_threads) task->work(index + 1);
       in_task_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
