@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.contract.sampling import SamplingParams

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

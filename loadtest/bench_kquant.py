@@ -16,11 +16,17 @@ minutes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# common/openmp.py's policy, set here: importing it would load common from this checkout,
+# not --repo's.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# isort: split
 import numpy as np
 import torch
 

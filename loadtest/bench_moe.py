@@ -28,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.contract.model_spec import ModelSpec, MoeSpec, RopeSpec

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.contract.sampling import SamplingParams

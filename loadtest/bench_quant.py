@@ -40,6 +40,9 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.models.quant.kquants import read_kq_x16

@@ -39,6 +39,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from loadtest.bench_disk_tier import documents

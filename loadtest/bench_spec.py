@@ -33,6 +33,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.contract.sampling import SamplingParams

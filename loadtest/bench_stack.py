@@ -28,6 +28,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 

@@ -30,6 +30,9 @@ import argparse
 import json
 import statistics
 
+import common.openmp  # noqa: F401  (before torch, run as a script too: OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from common.contract.sampling import SamplingParams
