@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pdserve.cli.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,17 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cpu_seconds() -> dict[int, tuple[float, str]]:
     """CPU seconds (user + system) of every process, with its command line."""
-    ticks = os.sysconf("SC_CLK_TCK")
     seen: dict[int, tuple[float, str]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seen[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / ticks, command)
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        times, command = proc.info["cpu_times"], proc.info["cmdline"]
+        if times is not None and command is not None:
+            seen[proc.pid] = (times.user + times.system, " ".join(command))
     return seen
 
 

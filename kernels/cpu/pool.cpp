@@ -58,6 +58,13 @@ struct alignas(64) Share {
   std::atomic<uint64_t> range{0};
 };
 
+// One pause of a spinning thread, the ``spins``-th: every kPausesPerYield-th also offers the
+// core to whatever else is runnable.
+inline void pause_or_yield(int spins) {
+  PDSERVE_PAUSE();
+  if (spins % kPausesPerYield == 0) sched_yield();
+}
+
 uint64_t pack(int64_t lo, int64_t hi) {
   return (static_cast<uint64_t>(lo) << 32) | static_cast<uint64_t>(hi);
 }
@@ -69,7 +76,7 @@ struct Task {
   int64_t n = 0, chunk = 1;
   int num_threads = 1;    // shares: the caller's (0) and one per helper allowed to join
   alignas(64) std::atomic<int64_t> done{0};
-  Share shares[kMaxThreads];
+  Share* shares = nullptr;  // num_threads of them, the pool's (one call at a time)
 
   // Each thread walks its own contiguous share from the front (one run of addresses, which
   // the hardware prefetchers follow across chunks), then takes chunks from the back of the
@@ -129,9 +136,10 @@ class Pool {
     task.n = n;
     task.chunk = chunk;
     task.num_threads = threads;
+    task.shares = shares_;
     for (int t = 0; t < threads; ++t)
-      task.shares[t].range.store(pack(n * t / threads, n * (t + 1) / threads),
-                                 std::memory_order_relaxed);
+      shares_[t].range.store(pack(n * t / threads, n * (t + 1) / threads),
+                             std::memory_order_relaxed);
     current_.store(&task, std::memory_order_seq_cst);
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst) > 0) {
@@ -139,10 +147,8 @@ class Pool {
       wake_.notify_all();
     }
     task.work(0);
-    for (int spins = 1; task.done.load(std::memory_order_acquire) < n; ++spins) {
-      PDSERVE_PAUSE();
-      if ((spins & (kPausesPerYield - 1)) == 0) sched_yield();
-    }
+    for (int spins = 1; task.done.load(std::memory_order_acquire) < n; ++spins)
+      pause_or_yield(spins);
     // No helper may still look at the task once this call returns: it announces itself in
     // in_task_ before reading current_, so after this store and this wait none holds it.
     current_.store(nullptr, std::memory_order_seq_cst);
@@ -163,10 +169,8 @@ class Pool {
     while (true) {
       // Spin for the next task, then sleep until one comes.
       int spins = 0;
-      while (epoch_.load(std::memory_order_acquire) == seen && spins < kSpinIterations) {
-        PDSERVE_PAUSE();
-        if ((++spins & (kPausesPerYield - 1)) == 0) sched_yield();
-      }
+      while (epoch_.load(std::memory_order_acquire) == seen && spins < kSpinIterations)
+        pause_or_yield(++spins);
       if (epoch_.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleeping_.fetch_add(1, std::memory_order_seq_cst);
@@ -183,6 +187,7 @@ class Pool {
   }
 
   std::mutex call_mutex_;  // one call at a time
+  Share shares_[kMaxThreads];  // the call in flight's, written only before it is published
   std::mutex mutex_;       // helpers' sleep and the helper list
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;

@@ -253,8 +253,10 @@ class StoreTier:
             part = self._pending.popleft()
             self.num_blocks_pending -= len(part.block_hashes)
             num_taken += len(part.block_hashes)
-            keep = [i for i, h in enumerate(part.block_hashes) if int(h) not in seen]
-            hashes += [int(part.block_hashes[i]) for i in keep]
-            seen.update(hashes[len(hashes) - len(keep) :])
+            ints = [int(h) for h in part.block_hashes]
+            keep = [i for i, h in enumerate(ints) if h not in seen]
+            fresh = [ints[i] for i in keep]
+            hashes += fresh
+            seen.update(fresh)
             parts.append(part.data if len(keep) == len(part.block_hashes) else part.data[keep])
         return hashes, parts[0] if len(parts) == 1 else torch.cat(parts)
