@@ -458,16 +458,153 @@ void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
   });
 }
 
-using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, int64_t, int, int64_t, int64_t,
-                          const Dims&, float*);
+// Wide tiles, for batches of 8 or more rows: R rows (16 or 8) against one n-block. A
+// sub-block's 8 quads are unpacked once into registers and every row's sums are taken
+// against them, so the unpacking is shared by R rows instead of kq_tile_i8's 4. The rows'
+// codes are laid out once per call so that a tile reads them at fixed offsets from one
+// pointer a sub-block (WideRows); each row's sum starts at minus the code bias times its
+// group's code sum (the same exact integers as kq_tile_i8's subtraction after), and its float
+// work is kq_tile_i8's, in the same order: a row's bits do not depend on its tile.
+struct WideRows {
+  int64_t m0 = 0, rows = 0;     // rows [m0, m0 + rows) of x, in tiles of R
+  int R = 0;
+  std::vector<int32_t> quads;   // per tile [K / 32][R][8]
+  std::vector<int32_t> start;   // per tile [K / G][R]: -bias * the group's code sum
+  std::vector<float> csum;      // per tile [K / G][R]: the same sums as floats (the min term)
+  std::vector<float> dx;        // per tile [K / 32][R]
+};
+
+WideRows wide_rows(const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t tiles, int R, int bias,
+                   const Dims& dims, int64_t G) {
+  WideRows wr;
+  wr.m0 = m0;
+  wr.rows = tiles * R;
+  wr.R = R;
+  const int64_t num_sub = dims.num_sub(), groups = dims.K / G;
+  wr.quads.resize(wr.rows * num_sub * 8);
+  wr.start.resize(wr.rows * groups);
+  wr.csum.resize(wr.rows * groups);
+  wr.dx.resize(wr.rows * num_sub);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + t * R + r;
+      for (int64_t b = 0; b < num_sub; ++b) {
+        std::memcpy(&wr.quads[((t * num_sub + b) * R + r) * 8], &qx.quads[m * dims.K / 4 + b * 8],
+                    8 * sizeof(int32_t));
+        wr.dx[(t * num_sub + b) * R + r] = qx.dx[m * num_sub + b];
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int32_t c = qx.csum[m * groups + g];
+        wr.start[(t * groups + g) * R + r] = -bias * c;
+        wr.csum[(t * groups + g) * R + r] = static_cast<float>(c);
+      }
+    }
+  }
+  return wr;
+}
+
+template <int LO, int HI, int G, int R, bool MINS>
+void kq_wide_i8(const KqWeight& w, const WideRows& wr, int64_t tile, int64_t j, const Dims& dims,
+                float* out) {
+  const int64_t num_sub = dims.num_sub();
+  const int64_t groups = dims.K / G, blocks = dims.K / w.L;
+  constexpr int64_t lo_stride = LO * 64, hi_stride = (HI > 0 ? HI : 1) * 64;
+  constexpr int groups_per_sub = static_cast<int>(kSub / G);
+  const int32_t* xq = wr.quads.data() + tile * num_sub * R * 8;
+  const int32_t* start = wr.start.data() + tile * groups * R;
+  const float* csum = wr.csum.data() + tile * groups * R;
+  const float* dx = wr.dx.data() + tile * num_sub * R;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i v[8];
+    {
+      __m512i lo[LO], hi[HI > 0 ? HI : 1], spread[2];
+      const uint8_t* lp = w.lo + (j * num_sub + b) * lo_stride;
+      for (int c = 0; c < LO; ++c) lo[c] = _mm512_loadu_si512(lp + c * 64);
+      if constexpr (HI > 0) {
+        const uint8_t* hp = w.hi + (j * num_sub + b) * hi_stride;
+        for (int c = 0; c < HI; ++c) hi[c] = _mm512_loadu_si512(hp + c * 64);
+        if constexpr (LO == 4 && HI == 1) spread_q5(hi[0], spread);
+      }
+      [&]<int... Q>(std::integer_sequence<int, Q...>) {
+        if constexpr (LO == 4 && HI == 1) {
+          ((v[Q] = quad_bits_q5<Q>(lo, spread)), ...);
+        } else {
+          ((v[Q] = quad_bits<LO, HI, Q>(lo, hi)), ...);
+        }
+      }(std::make_integer_sequence<int, 8>{});
+    }
+    const int32_t* xb = xq + b * R * 8;
+    const float* dxb = dx + b * R;
+    for (int q = 0; q < groups_per_sub; ++q) {
+      const int64_t g = b * groups_per_sub + q;
+      const int64_t at_block = (j * blocks + g * G / w.L) * kLanes;
+      const int64_t at_group = (j * groups + g) * kLanes;
+      const __m512 scale = group_scale(w, at_block, at_group);
+      __m512 min_term = _mm512_setzero_ps();
+      if constexpr (MINS) min_term = group_min(w, at_block, at_group);
+      const int32_t* sg = start + g * R;
+      const float* cg = csum + g * R;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_set1_epi32(sg[r]);
+#pragma GCC unroll 8
+        for (int Q = 0; Q < 8; ++Q)
+          if (G == 32 || quad_pair(LO, Q) / (G / 2) == q)
+            s = _mm512_dpbusd_epi32(s, v[Q], _mm512_set1_epi32(xb[r * 8 + Q]));
+        __m512 inner = _mm512_mul_ps(_mm512_cvtepi32_ps(s), scale);
+        if constexpr (MINS) inner = _mm512_fmadd_ps(min_term, _mm512_set1_ps(cg[r]), inner);
+        acc[r] = _mm512_fmadd_ps(inner, _mm512_set1_ps(dxb[r]), acc[r]);
+      }
+    }
+  }
+  const int64_t m0 = wr.m0 + tile * R;
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * dims.N + j * kLanes, acc[r]);
+}
+
+// Rows of x against n-blocks [j0, j1): the wide tiles (wide16, then wide8: their rows laid
+// out by wide_rows), the rest (under 8 rows, from `rest`) in kq_tile_i8's passes of at most
+// kMaxRows.
+template <int LO, int HI, int G>
+void kq_all_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, const WideRows& wide16,
+                    const WideRows& wide8, int64_t rest, int64_t j0, int64_t j1, const Dims& dims,
+                    float* out) {
+  for (int64_t t = 0; t * 16 < wide16.rows; ++t)
+    for (int64_t j = j0; j < j1; ++j) {
+      if (w.has_min()) {
+        kq_wide_i8<LO, HI, G, 16, true>(w, wide16, t, j, dims, out);
+      } else {
+        kq_wide_i8<LO, HI, G, 16, false>(w, wide16, t, j, dims, out);
+      }
+    }
+  for (int64_t t = 0; t * 8 < wide8.rows; ++t)
+    for (int64_t j = j0; j < j1; ++j) {
+      if (w.has_min()) {
+        kq_wide_i8<LO, HI, G, 8, true>(w, wide8, t, j, dims, out);
+      } else {
+        kq_wide_i8<LO, HI, G, 8, false>(w, wide8, t, j, dims, out);
+      }
+    }
+  const int64_t left = dims.M - rest;
+  const int64_t passes = (left + kMaxRows - 1) / kMaxRows;
+  for (int64_t p = 0, m0 = rest; p < passes; ++p) {
+    const int n = static_cast<int>((dims.M - m0) / (passes - p));
+    kq_rows_i8<LO, HI, G>(w, qx, m0, n, j0, j1, dims, out);
+    m0 += n;
+  }
+}
+
+using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, const WideRows&,
+                          const WideRows&, int64_t, int64_t, int64_t, const Dims&, float*);
 
 RowsI8Fn rows_i8_fn(int lo_w, int hi_w, int64_t group) {
-  if (lo_w == 2 && hi_w == 0 && group == 16) return kq_rows_i8<2, 0, 16>;
-  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_rows_i8<2, 1, 16>;
-  if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows_i8<4, 0, 32>;
-  if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows_i8<4, 1, 32>;
-  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows_i8<4, 2, 16>;
-  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows_i8<4, 4, 32>;
+  if (lo_w == 2 && hi_w == 0 && group == 16) return kq_all_rows_i8<2, 0, 16>;
+  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_all_rows_i8<2, 1, 16>;
+  if (lo_w == 4 && hi_w == 0 && group == 32) return kq_all_rows_i8<4, 0, 32>;
+  if (lo_w == 4 && hi_w == 1 && group == 32) return kq_all_rows_i8<4, 1, 32>;
+  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_all_rows_i8<4, 2, 16>;
+  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_all_rows_i8<4, 4, 32>;
   return nullptr;
 }
 
@@ -790,17 +927,17 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
     const RowsI8Fn run8 = rows_i8_fn(w.lo_w, hi_w, group_size);
     const RowCodes8 q8 = x8_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,
                                           w.lo_w, int8_tokens);
+    // Rows in wide tiles of 16, then one of 8 if 8 or more are left, the rest in passes.
+    const int64_t tiles16 = dims.M / 16, tiles8 = (dims.M % 16) / 8;
+    const WideRows wide16 = wide_rows(q8, 0, tiles16, 16, w.bias, dims, group_size);
+    const WideRows wide8 = wide_rows(q8, tiles16 * 16, tiles8, 8, w.bias, dims, group_size);
+    const int64_t rest = tiles16 * 16 + tiles8 * 8;
     // Chunks of 2 n-blocks, a tile's width: a 192-row projection is 6 chunks, not 3 of 4
     // (one thread would run two of them while the other waits).
     const int64_t num_pairs = (dims.num_blocks() + 1) / 2;
-    const int64_t passes = (dims.M + kMaxRows - 1) / kMaxRows;
     parallel_for(num_pairs, 1, [&](int64_t q0, int64_t q1) {
       const int64_t u0 = q0 * 2, u1 = std::min(dims.num_blocks(), q1 * 2);
-      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-        const int rows = static_cast<int>((dims.M - m0) / (passes - p));
-        run8(w, q8, m0, rows, u0, u1, dims, op);
-        m0 += rows;
-      }
+      run8(w, q8, wide16, wide8, rest, u0, u1, dims, op);
     });
     return out;
   }

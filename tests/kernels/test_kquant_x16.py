@@ -112,7 +112,8 @@ def test_int8_activations_multiply_exactly_their_codes(type_name: str) -> None:
     for n in (16, 48, 80):
         w = random_weight(type_name, n, k, seed=n)
         dense = w.dequantize().double()
-        for m in [*M_VALUES, 6, 7, 8, 16]:  # passes of up to 8 rows on this path
+        # wide tiles of 16 and 8 rows, the rest in passes of up to 4
+        for m in [*M_VALUES, 6, 7, 8, 13, 16, 24]:
             x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4
             out = kq_x16_matmul(x, w, act_bits=8).double()
             xq = int8_codes(x)
