@@ -73,6 +73,21 @@ struct RowCodes8 {
 };
 RowCodes8 x8_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group_size, int order,
                            bool int8_tokens);
+// Rows [m0, m0 + tiles R) of x8_quantize_rows' codes laid out for the 8-bit kernels' wide
+// tiles (R rows against one n-block, quant_x16.cpp and kquant_x16.cpp): per tile of R rows,
+// a sub-block's quads row after row, so a tile reads them at fixed offsets from one pointer.
+// ``start`` is minus ``bias`` times each group's code sum (where a kernel's int32 sums begin),
+// ``csum`` the same code sums as floats.
+struct WideRows {
+  int64_t m0 = 0, rows = 0;  // rows [m0, m0 + rows) of x, in tiles of R
+  int R = 0;
+  std::vector<int32_t> quads;  // per tile [K / 32][R][8]
+  std::vector<int32_t> start;  // per tile [K / G][R]
+  std::vector<float> csum;     // per tile [K / G][R]
+  std::vector<float> dx;       // per tile [K / 32][R]
+};
+WideRows wide_rows(const RowCodes8& qx, int64_t m0, int64_t tiles, int R, int bias, int64_t k,
+                   int64_t group_size);
 // kquant_x16.cpp: x [M, K] float32 @ a KQx16 weight [N, K]^T (kernels/cpu/kquant.py).
 // fp8_matmul.cpp: x [M, K] float32 @ E4M3 codes, 16 rows interleaved [ceil(N / 16), K, 16]
 // uint8 (each times 2^-120), times scale [N] (which carries the 2^120).

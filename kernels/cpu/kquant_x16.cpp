@@ -465,46 +465,8 @@ void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
 // pointer a sub-block (WideRows); each row's sum starts at minus the code bias times its
 // group's code sum (the same exact integers as kq_tile_i8's subtraction after), and its float
 // work is kq_tile_i8's, in the same order: a row's bits do not depend on its tile.
-struct WideRows {
-  int64_t m0 = 0, rows = 0;     // rows [m0, m0 + rows) of x, in tiles of R
-  int R = 0;
-  std::vector<int32_t> quads;   // per tile [K / 32][R][8]
-  std::vector<int32_t> start;   // per tile [K / G][R]: -bias * the group's code sum
-  std::vector<float> csum;      // per tile [K / G][R]: the same sums as floats (the min term)
-  std::vector<float> dx;        // per tile [K / 32][R]
-};
-
-WideRows wide_rows(const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t tiles, int R, int bias,
-                   const Dims& dims, int64_t G) {
-  WideRows wr;
-  wr.m0 = m0;
-  wr.rows = tiles * R;
-  wr.R = R;
-  const int64_t num_sub = dims.num_sub(), groups = dims.K / G;
-  wr.quads.resize(wr.rows * num_sub * 8);
-  wr.start.resize(wr.rows * groups);
-  wr.csum.resize(wr.rows * groups);
-  wr.dx.resize(wr.rows * num_sub);
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + t * R + r;
-      for (int64_t b = 0; b < num_sub; ++b) {
-        std::memcpy(&wr.quads[((t * num_sub + b) * R + r) * 8], &qx.quads[m * dims.K / 4 + b * 8],
-                    8 * sizeof(int32_t));
-        wr.dx[(t * num_sub + b) * R + r] = qx.dx[m * num_sub + b];
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        const int32_t c = qx.csum[m * groups + g];
-        wr.start[(t * groups + g) * R + r] = -bias * c;
-        wr.csum[(t * groups + g) * R + r] = static_cast<float>(c);
-      }
-    }
-  }
-  return wr;
-}
-
 template <int LO, int HI, int G, int R, bool MINS>
-void kq_wide_i8(const KqWeight& w, const WideRows& wr, int64_t tile, int64_t j, const Dims& dims,
+void kq_wide_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t tile, int64_t j, const Dims& dims,
                 float* out) {
   const int64_t num_sub = dims.num_sub();
   const int64_t groups = dims.K / G, blocks = dims.K / w.L;
@@ -567,8 +529,8 @@ void kq_wide_i8(const KqWeight& w, const WideRows& wr, int64_t tile, int64_t j, 
 // out by wide_rows), the rest (under 8 rows, from `rest`) in kq_tile_i8's passes of at most
 // kMaxRows.
 template <int LO, int HI, int G>
-void kq_all_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, const WideRows& wide16,
-                    const WideRows& wide8, int64_t rest, int64_t j0, int64_t j1, const Dims& dims,
+void kq_all_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, const pdserve_cpu::WideRows& wide16,
+                    const pdserve_cpu::WideRows& wide8, int64_t rest, int64_t j0, int64_t j1, const Dims& dims,
                     float* out) {
   for (int64_t t = 0; t * 16 < wide16.rows; ++t)
     for (int64_t j = j0; j < j1; ++j) {
@@ -595,8 +557,8 @@ void kq_all_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, const W
   }
 }
 
-using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, const WideRows&,
-                          const WideRows&, int64_t, int64_t, int64_t, const Dims&, float*);
+using RowsI8Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, const pdserve_cpu::WideRows&,
+                          const pdserve_cpu::WideRows&, int64_t, int64_t, int64_t, const Dims&, float*);
 
 RowsI8Fn rows_i8_fn(int lo_w, int hi_w, int64_t group) {
   if (lo_w == 2 && hi_w == 0 && group == 16) return kq_all_rows_i8<2, 0, 16>;
@@ -929,8 +891,8 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
                                           w.lo_w, int8_tokens);
     // Rows in wide tiles of 16, then one of 8 if 8 or more are left, the rest in passes.
     const int64_t tiles16 = dims.M / 16, tiles8 = (dims.M % 16) / 8;
-    const WideRows wide16 = wide_rows(q8, 0, tiles16, 16, w.bias, dims, group_size);
-    const WideRows wide8 = wide_rows(q8, tiles16 * 16, tiles8, 8, w.bias, dims, group_size);
+    const WideRows wide16 = wide_rows(q8, 0, tiles16, 16, w.bias, dims.K, group_size);
+    const WideRows wide8 = wide_rows(q8, tiles16 * 16, tiles8, 8, w.bias, dims.K, group_size);
     const int64_t rest = tiles16 * 16 + tiles8 * 8;
     // Chunks of 2 n-blocks, a tile's width: a 192-row projection is 6 chunks, not 3 of 4
     // (one thread would run two of them while the other waits).

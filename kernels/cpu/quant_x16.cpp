@@ -237,6 +237,35 @@ RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int 
   return q;
 }
 
+WideRows wide_rows(const RowCodes8& qx, int64_t m0, int64_t tiles, int R, int bias, int64_t K,
+                   int64_t G) {
+  WideRows wr;
+  wr.m0 = m0;
+  wr.rows = tiles * R;
+  wr.R = R;
+  const int64_t num_sub = K / kSub, groups = K / G;
+  wr.quads.resize(wr.rows * num_sub * 8);
+  wr.start.resize(wr.rows * groups);
+  wr.csum.resize(wr.rows * groups);
+  wr.dx.resize(wr.rows * num_sub);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + t * R + r;
+      for (int64_t b = 0; b < num_sub; ++b) {
+        std::memcpy(&wr.quads[((t * num_sub + b) * R + r) * 8], &qx.quads[m * K / 4 + b * 8],
+                    8 * sizeof(int32_t));
+        wr.dx[(t * num_sub + b) * R + r] = qx.dx[m * num_sub + b];
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int32_t c = qx.csum[m * groups + g];
+        wr.start[(t * groups + g) * R + r] = -bias * c;
+        wr.csum[(t * groups + g) * R + r] = static_cast<float>(c);
+      }
+    }
+  }
+  return wr;
+}
+
 }  // namespace pdserve_cpu
 
 namespace {
@@ -516,6 +545,70 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
       _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes, acc[r][t]);
 }
 
+// Wide tiles of the 8-bit path, for batches of 8 or more rows: R rows (16 or 8) against one
+// n-block, their codes laid out by wide_rows. A sub-block's 8 unsigned code vectors are made
+// once (Q4: the two nibble masks of each chunk; Q8: vpermw and the flipped top bit) and every
+// row's sums taken against them, where the small tiles remake them for each pass of at most
+// 8 rows. A row's sum starts at wide_rows' start (Q8: minus 128 times its code sum, the same
+// integers as q8_tile_i8's subtraction after), and its float work is the small tiles', in the
+// same order: a row's bits do not depend on its tile.
+template <bool Q4, int R>
+void x16_wide_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
+                 const pdserve_cpu::WideRows& wr, int64_t tile, int64_t j, const Dims16& d,
+                 float* out) {
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  const int64_t block_stride = num_sub * (Q4 ? 256 : 512);
+  const int64_t subs_per_group = d.G / kSub;
+  const bool per_row = d.G == d.K;
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  // word 2i of the result: word i of the first chunk; word 2i + 1: word i of the second
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
+  const __m512i top_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int32_t* xq = wr.quads.data() + tile * num_sub * R * 8;
+  const int32_t* start = wr.start.data() + tile * num_sub * R;
+  const float* csum = wr.csum.data() + tile * num_sub * R;
+  const float* dx = wr.dx.data() + tile * num_sub * R;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i u[8];
+    const uint8_t* wb = qw + j * block_stride + b * (Q4 ? 256 : 512);
+    for (int c = 0; c < (Q4 ? 4 : 8); ++c) {
+      const __m512i w = _mm512_loadu_si512(wb + c * 64);
+      if constexpr (Q4) {
+        u[2 * c] = _mm512_and_si512(w, nibbles);
+        u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibbles);
+      } else {
+        u[c] = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, w), top_bits);
+      }
+    }
+    const int64_t g = per_row ? 0 : b / subs_per_group;
+    const int64_t at = (j * num_groups + g) * kLanes;
+    const __m512 sv = halves16(scales + at);
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (Q4) mv = halves16(mins + at);
+    const int32_t* xb = xq + b * R * 8;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512i s = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(start[b * R + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, u[c], _mm512_set1_epi32(xb[r * 8 + c]));
+      const __m512 dxr = _mm512_set1_ps(dx[b * R + r]);
+      if constexpr (Q4) {
+        const __m512 inner = _mm512_fmadd_ps(mv, _mm512_set1_ps(csum[b * R + r]),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(s), sv));
+        acc[r] = _mm512_fmadd_ps(inner, dxr, acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sv), dxr, acc[r]);
+      }
+    }
+  }
+  const int64_t m0 = wr.m0 + tile * R;
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * d.N + j * kLanes, acc[r]);
+}
+
 template <bool Q4>
 void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
                  const uint16_t* mins, const pdserve_cpu::RowCodes8& qx, int64_t m0,
@@ -589,8 +682,25 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   if (act_bits == 8) {
     const pdserve_cpu::RowCodes8 qx =
         pdserve_cpu::x8_quantize_rows(x.data_ptr<float>(), d.M, d.K, kSub, Q4 ? 4 : 8, false);
-    each_pass([&](int rows, int64_t j0, int64_t j1, int64_t m0) {
-      run_rows_i8<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
+    // Rows in wide tiles of 16, then one of 8 if 8 or more are left, the rest in passes.
+    const int64_t tiles16 = d.M / 16, tiles8 = (d.M % 16) / 8;
+    const int64_t rest = tiles16 * 16 + tiles8 * 8;
+    const int bias = Q4 ? 0 : 128;
+    const pdserve_cpu::WideRows wide16 = pdserve_cpu::wide_rows(qx, 0, tiles16, 16, bias, d.K, kSub);
+    const pdserve_cpu::WideRows wide8 = pdserve_cpu::wide_rows(qx, tiles16 * 16, tiles8, 8, bias, d.K, kSub);
+    const int64_t left = d.M - rest;
+    const int64_t rest_passes = (left + kMaxTileRows - 1) / kMaxTileRows;
+    pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
+      const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
+      for (int64_t t = 0; t < tiles16; ++t)
+        for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 16>(qw, sp, mins, wide16, t, j, d, op);
+      for (int64_t t = 0; t < tiles8; ++t)
+        for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 8>(qw, sp, mins, wide8, t, j, d, op);
+      for (int64_t p = 0, m0 = rest; p < rest_passes; ++p) {
+        const int rows = static_cast<int>((d.M - m0) / (rest_passes - p));
+        run_rows_i8<Q4>(rows, j0, j1, qw, sp, mins, qx, m0, d, op);
+        m0 += rows;
+      }
     });
     return out;
   }

@@ -67,14 +67,17 @@ def test_int8_activations_multiply_exactly_their_codes(
     for n in (16, 80):
         w = make_weight(kind, n, k, group_size, gen)
         dense = w.dequantize().double()
-        for m in (1, 3, 4, 9):
+        # 9 and fewer rows in passes of up to 8; from 8, wide tiles of 16 and 8, then passes
+        for m in (1, 3, 4, 9, 13, 16, 24):
             x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4
             out = x16_matmul(x, w, act_bits=8).double()
             xq = int8_codes(x)
             magnitude = xq.abs() @ dense.abs().t()
             err = (out - xq @ dense.t()).abs()
             assert bool((err <= 2e-6 * magnitude + 1e-30).all()), (kind, group_size, k, n, m)
-            assert torch.equal(x16_matmul(x[-1:].contiguous(), w, act_bits=8).double(), out[-1:])
+            for row in {0, m - 1}:
+                alone = x16_matmul(x[row : row + 1].contiguous(), w, act_bits=8).double()
+                assert torch.equal(alone, out[row : row + 1]), (kind, m, row)
 
 
 def test_q4_x16_byte_order_is_the_documented_one() -> None:
