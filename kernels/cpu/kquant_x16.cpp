@@ -52,6 +52,7 @@ namespace {
 constexpr int64_t kSub = 32;
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 4;  // rows of x per pass over the weights
+constexpr int kWideRows16 = 8;  // rows of the 16-bit path's wide tiles (kq_wide16)
 
 struct KqWeight {
   const uint8_t* lo;
@@ -266,6 +267,94 @@ void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
 
 using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
                         int64_t, int, int64_t, int64_t, const Dims&, float*);
+
+// Wide tiles of the 16-bit path, for batches of 8 or more rows: 8 rows against one n-block.
+// A sub-block's 16 pair vectors are unpacked once into registers and each row's sums taken
+// against them (kq_tile unpacks them again for every pass of at most 4 rows). A row's sum
+// starts at minus the code bias times its group's code sum, the same integers as kq_tile's
+// subtraction after, and its float work is kq_tile's, in the same order: a row's bits do not
+// depend on its tile.
+template <int LO, int HI, int G, bool MINS>
+void kq_wide16(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+               int64_t m0, int64_t j, const Dims& dims, float* out) {
+  constexpr int R = kWideRows16;
+  const int64_t num_sub = dims.num_sub();
+  const int64_t groups = dims.K / G, blocks = dims.K / w.L;
+  constexpr int64_t lo_stride = LO * 64, hi_stride = (HI > 0 ? HI : 1) * 64;
+  constexpr int groups_per_sub = static_cast<int>(kSub / G);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    __m512i v[16];
+    {
+      __m512i lo[LO], hi[HI > 0 ? HI : 1];
+      const uint8_t* lp = w.lo + (j * num_sub + b) * lo_stride;
+      for (int c = 0; c < LO; ++c) lo[c] = _mm512_loadu_si512(lp + c * 64);
+      if constexpr (HI > 0) {
+        const uint8_t* hp = w.hi + (j * num_sub + b) * hi_stride;
+        for (int c = 0; c < HI; ++c) hi[c] = _mm512_loadu_si512(hp + c * 64);
+      }
+      [&]<int... P>(std::integer_sequence<int, P...>) {
+        if constexpr (HI > 0) {
+          ((v[P] = joined_bits<LO, (HI > 0 ? HI : 1), P>(lo, hi)), ...);
+        } else {
+          ((v[P] = plane_bits<LO, P>(lo)), ...);
+        }
+      }(std::make_integer_sequence<int, 16>{});
+    }
+    const int16_t* xb = qx.codes.data() + m0 * dims.K + b * kSub;
+    for (int q = 0; q < groups_per_sub; ++q) {
+      const int64_t g = b * groups_per_sub + q;
+      const int64_t at_block = (j * blocks + g * G / w.L) * kLanes;
+      const int64_t at_group = (j * groups + g) * kLanes;
+      const __m512 scale = group_scale(w, at_block, at_group);
+      __m512 min_term = _mm512_setzero_ps();
+      if constexpr (MINS) min_term = group_min(w, at_block, at_group);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512i s = csum != nullptr ? _mm512_set1_epi32(-w.bias * csum[(m0 + r) * groups + g])
+                                    : _mm512_setzero_si512();
+        const int16_t* x = xb + r * dims.K;
+#pragma GCC unroll 16
+        for (int P = 0; P < 16; ++P)
+          if (P / (G / 2) == q) s = _mm512_dpwssd_epi32(s, v[P], pair_of(x + 2 * P));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+        if constexpr (MINS)
+          acc[r] = _mm512_fmadd_ps(min_term, _mm512_set1_ps(qx.xsum[(m0 + r) * groups + g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + (m0 + r) * dims.N + j * kLanes,
+                     _mm512_mul_ps(acc[r], _mm512_set1_ps(qx.dx[m0 + r])));
+}
+
+// Rows [m0, m0 + kWideRows16) against n-blocks [j0, j1).
+template <int LO, int HI, int G>
+void kq_wide16_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
+                    int64_t m0, int64_t j0, int64_t j1, const Dims& dims, float* out) {
+  for (int64_t j = j0; j < j1; ++j) {
+    if (w.has_min()) {
+      kq_wide16<LO, HI, G, true>(w, qx, csum, m0, j, dims, out);
+    } else {
+      kq_wide16<LO, HI, G, false>(w, qx, csum, m0, j, dims, out);
+    }
+  }
+}
+
+using Wide16Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*, int64_t,
+                          int64_t, int64_t, const Dims&, float*);
+
+// The types whose wide tiles measured faster than kq_tile's passes (loadtest/bench_kquant.py
+// --act-bits 16, 12 layers): Q3_K 13-15 % at 8-104 rows in every alternation, Q6_K 8-10 % in
+// the medians of five (16 rows 5.83 -> 5.22 ms, 104 rows 33.3 -> 30.7; one alternation slower).
+// Q2_K measured alike, and Q4_K / Q5_0 8-17 % slower (the 16 pair vectors and 8 sums crowd
+// the registers where kq_tile's two n-blocks keep its chains busy): those keep the passes.
+Wide16Fn wide16_fn(int lo_w, int hi_w, int64_t group) {
+  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_wide16_rows<2, 1, 16>;  // Q3_K
+  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_wide16_rows<4, 2, 16>;  // Q6_K
+  return nullptr;
+}
 
 
 constexpr int64_t kUnitsPerBlock = 1;  // a tile's unit: an n-block
@@ -913,10 +1002,19 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
   // are whole; rows in passes of near-equal size, none over kMaxRows.
   const int64_t units = kUnitsPerBlock * dims.num_blocks();
   const int64_t num_quads = (units + 3) / 4;
-  const int64_t passes = (dims.M + kMaxRows - 1) / kMaxRows;
+  // With AVX-512, rows in wide tiles of kWideRows16 while they fill; the rest in passes.
+  int64_t wide_rows16 = 0;
+#ifdef PDSERVE_KQ16
+  const Wide16Fn wide = wide16_fn(w.lo_w, hi_w, group_size);
+  wide_rows16 = wide != nullptr ? dims.M / kWideRows16 * kWideRows16 : 0;
+#endif
+  const int64_t passes = (dims.M - wide_rows16 + kMaxRows - 1) / kMaxRows;
   parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
     const int64_t u0 = q0 * 4, u1 = std::min(units, q1 * 4);
-    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+#ifdef PDSERVE_KQ16
+    for (int64_t m0 = 0; m0 < wide_rows16; m0 += kWideRows16) wide(w, qx, cs, m0, u0, u1, dims, op);
+#endif
+    for (int64_t p = 0, m0 = wide_rows16; p < passes; ++p) {
       const int rows = static_cast<int>((dims.M - m0) / (passes - p));
       run(w, qx, cs, m0, rows, u0, u1, dims, op);
       m0 += rows;

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TYPES = sorted(KQUANT_TYPES)
-M_VALUES = [1, 2, 3, 4, 5, 9]
+M_VALUES = [1, 2, 3, 4, 5, 9, 16]  # 9 and 16: the 16-bit path's wide tiles of 8 rows (Q3_K, Q6_K)
 
 
 def random_weight(type_name: str, n: int, k: int, seed: int) -> KQx16:
