@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -268,6 +269,17 @@ void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
 using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
                         int64_t, int, int64_t, int64_t, const Dims&, float*);
 
+// Group g's 16 lanes of d * sc and of the min term (zero without MINS) for n-block j, as the
+// wide tiles take them.
+template <int G, bool MINS>
+inline std::pair<__m512, __m512> wide_group_terms(const KqWeight& w, int64_t j, int64_t g,
+                                                  int64_t blocks, int64_t groups) {
+  const int64_t at_block = (j * blocks + g * G / w.L) * kLanes;
+  const int64_t at_group = (j * groups + g) * kLanes;
+  const __m512 min_term = MINS ? group_min(w, at_block, at_group) : _mm512_setzero_ps();
+  return {group_scale(w, at_block, at_group), min_term};
+}
+
 // Wide tiles of the 16-bit path, for batches of 8 or more rows: 8 rows against one n-block.
 // A sub-block's 16 pair vectors are unpacked once into registers and each row's sums taken
 // against them (kq_tile unpacks them again for every pass of at most 4 rows). A row's sum
@@ -305,11 +317,7 @@ void kq_wide16(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32
     const int16_t* xb = qx.codes.data() + m0 * dims.K + b * kSub;
     for (int q = 0; q < groups_per_sub; ++q) {
       const int64_t g = b * groups_per_sub + q;
-      const int64_t at_block = (j * blocks + g * G / w.L) * kLanes;
-      const int64_t at_group = (j * groups + g) * kLanes;
-      const __m512 scale = group_scale(w, at_block, at_group);
-      __m512 min_term = _mm512_setzero_ps();
-      if constexpr (MINS) min_term = group_min(w, at_block, at_group);
+      const auto [scale, min_term] = wide_group_terms<G, MINS>(w, j, g, blocks, groups);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512i s = csum != nullptr ? _mm512_set1_epi32(-w.bias * csum[(m0 + r) * groups + g])
@@ -333,12 +341,10 @@ void kq_wide16(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32
 template <int LO, int HI, int G>
 void kq_wide16_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
                     int64_t m0, int64_t j0, int64_t j1, const Dims& dims, float* out) {
-  for (int64_t j = j0; j < j1; ++j) {
-    if (w.has_min()) {
-      kq_wide16<LO, HI, G, true>(w, qx, csum, m0, j, dims, out);
-    } else {
-      kq_wide16<LO, HI, G, false>(w, qx, csum, m0, j, dims, out);
-    }
+  if (w.has_min()) {
+    for (int64_t j = j0; j < j1; ++j) kq_wide16<LO, HI, G, true>(w, qx, csum, m0, j, dims, out);
+  } else {
+    for (int64_t j = j0; j < j1; ++j) kq_wide16<LO, HI, G, false>(w, qx, csum, m0, j, dims, out);
   }
 }
 
@@ -590,11 +596,7 @@ void kq_wide_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t tile
     const float* dxb = dx + b * R;
     for (int q = 0; q < groups_per_sub; ++q) {
       const int64_t g = b * groups_per_sub + q;
-      const int64_t at_block = (j * blocks + g * G / w.L) * kLanes;
-      const int64_t at_group = (j * groups + g) * kLanes;
-      const __m512 scale = group_scale(w, at_block, at_group);
-      __m512 min_term = _mm512_setzero_ps();
-      if constexpr (MINS) min_term = group_min(w, at_block, at_group);
+      const auto [scale, min_term] = wide_group_terms<G, MINS>(w, j, g, blocks, groups);
       const int32_t* sg = start + g * R;
       const float* cg = csum + g * R;
 #pragma GCC unroll 16
@@ -614,6 +616,21 @@ void kq_wide_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t tile
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * dims.N + j * kLanes, acc[r]);
 }
 
+// Every tile of ``wr`` (R rows each) against n-blocks [j0, j1).
+template <int LO, int HI, int G, int R>
+void kq_wide_tiles_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t j0, int64_t j1,
+                      const Dims& dims, float* out) {
+  const auto tiles = [&](auto mins) {
+    for (int64_t t = 0; t * R < wr.rows; ++t)
+      for (int64_t j = j0; j < j1; ++j) kq_wide_i8<LO, HI, G, R, decltype(mins)::value>(w, wr, t, j, dims, out);
+  };
+  if (w.has_min()) {
+    tiles(std::true_type{});
+  } else {
+    tiles(std::false_type{});
+  }
+}
+
 // Rows of x against n-blocks [j0, j1): the wide tiles (wide16, then wide8: their rows laid
 // out by wide_rows), the rest (under 8 rows, from `rest`) in kq_tile_i8's passes of at most
 // kMaxRows.
@@ -621,22 +638,8 @@ template <int LO, int HI, int G>
 void kq_all_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, const pdserve_cpu::WideRows& wide16,
                     const pdserve_cpu::WideRows& wide8, int64_t rest, int64_t j0, int64_t j1, const Dims& dims,
                     float* out) {
-  for (int64_t t = 0; t * 16 < wide16.rows; ++t)
-    for (int64_t j = j0; j < j1; ++j) {
-      if (w.has_min()) {
-        kq_wide_i8<LO, HI, G, 16, true>(w, wide16, t, j, dims, out);
-      } else {
-        kq_wide_i8<LO, HI, G, 16, false>(w, wide16, t, j, dims, out);
-      }
-    }
-  for (int64_t t = 0; t * 8 < wide8.rows; ++t)
-    for (int64_t j = j0; j < j1; ++j) {
-      if (w.has_min()) {
-        kq_wide_i8<LO, HI, G, 8, true>(w, wide8, t, j, dims, out);
-      } else {
-        kq_wide_i8<LO, HI, G, 8, false>(w, wide8, t, j, dims, out);
-      }
-    }
+  kq_wide_tiles_i8<LO, HI, G, 16>(w, wide16, j0, j1, dims, out);
+  kq_wide_tiles_i8<LO, HI, G, 8>(w, wide8, j0, j1, dims, out);
   const int64_t left = dims.M - rest;
   const int64_t passes = (left + kMaxRows - 1) / kMaxRows;
   for (int64_t p = 0, m0 = rest; p < passes; ++p) {
