@@ -170,7 +170,8 @@ def test_the_decode_span_says_what_was_proposed_and_kept(
     request = gateway_pb2.GenerateRequest(
         request_id="spec-span-1",
         token_ids=gateway_pb2.TokenIds(ids=llm.encode(PROMPTS[3])),
-        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        # temperature set: unset is 1.0 (sampled), whose guesses may all miss
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
     )
     traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
     responses = generate(spec_stack, request, (("traceparent", traceparent),))
@@ -182,9 +183,14 @@ def test_the_decode_span_says_what_was_proposed_and_kept(
     (decode,) = [s for s in spans.wait_for(decoded, trace_id)
                  if s.service == "pdserve-decode" and s.name == "decode" and s.kind == INTERNAL]  # fmt: skip
     attrs = decode.attributes
-    # Bursts reached the client. (On failure, the span says whether guesses were made: CI
-    # saw every message carry one token once, in stop 43's run.)
+    # Bursts reached the client. (This request once went without a temperature, so sampled
+    # at 1.0: twice in CI every guess missed and every message carried one token.)
     spec = {k: v for k, v in attrs.items() if k.startswith("pdserve.spec.")}
+    # The tokens are the plain engine's (a continuation that parted from them would also
+    # explain guesses that never match).
+    got = [t for r in responses for t in r.token_ids]
+    (want,) = llm.generate([list(request.token_ids.ids)], GREEDY)
+    assert got == want.token_ids, spec
     assert sum(sizes) == MAX_TOKENS and max(sizes) > 1, (sizes, spec)
     rounds, proposed, kept = (attrs[f"pdserve.spec.{k}"]
                               for k in ("rounds", "draft_tokens", "accepted_tokens"))  # fmt: skip
