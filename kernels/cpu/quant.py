@@ -56,7 +56,9 @@ def pack_q4_x16(
     """Q4 uint8 [N, K/2], float16 [N, K/G] x 2 (N a multiple of 16) -> the Q4x16 layout:
     codes uint8 [N/16, K/32, 4, 64] (chunk c of n-block j, sub-block b: 32 little-endian
     words, word 2i + h holding q[16j + i, 32b + 8c + 2t + h] in nibble t), scales and mins
-    float16 [N/16, K/G, 16]."""
+    float16 [N/16, K/G, 16]. Where every min is -8 x its scale (symmetric codes: GGUF's
+    Q4_0, GPTQ's sym) the mins are not held: float16 [0], which the kernels read as that
+    (4.5 bits a weight at groups of 32, as Q4_0's file, instead of 5)."""
     n, half = qweight.shape
     k = half * 2
     codes = unpack_q4_codes(qweight).view(n // X16, X16, k // SUB_BLOCK, 4, 4, 2)  # j i b c t h
@@ -64,7 +66,15 @@ def pack_q4_x16(
     low = codes[..., 0] | (codes[..., 1] << 4)  # the word's first byte: nibbles 0, 1
     high = codes[..., 2] | (codes[..., 3] << 4)
     packed = torch.stack([low, high], dim=-1).reshape(n // X16, k // SUB_BLOCK, 4, 64)
-    return packed.contiguous(), _lanes(scales), _lanes(mins)
+    symmetric = torch.equal(mins.float(), scales.float() * -8)
+    held = torch.empty(0, dtype=torch.float16) if symmetric else _lanes(mins)
+    return packed.contiguous(), _lanes(scales), held
+
+
+def symmetric_mins(scales: torch.Tensor) -> torch.Tensor:
+    """The mins a Q4x16 weight without them stands for: -8 x each scale (exact in float16:
+    pack_q4_x16 drops only mins that equal it)."""
+    return (scales.float() * -8).to(torch.float16)
 
 
 def unpack_q4_x16(
@@ -75,6 +85,8 @@ def unpack_q4_x16(
     pairs = packed.view(blocks, num_sub, 4, X16, 2, 2)  # j b c i h byte
     nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # ... h t
     codes = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(blocks * X16, num_sub * SUB_BLOCK)
+    if not mins.numel():
+        mins = symmetric_mins(scales)
     return pack_q4_codes(codes), _rows(scales), _rows(mins)
 
 
@@ -104,7 +116,9 @@ def gather_q4_x16(
     pairs = packed.view(packed.shape[0], num_sub, 4, X16, 2, 2)[blocks, :, :, lanes]  # T b c h byte
     nibbles = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # T b c h t
     codes = nibbles.transpose(-1, -2).reshape(ids.numel(), num_sub * SUB_BLOCK)
-    return pack_q4_codes(codes), scales[blocks, :, lanes], mins[blocks, :, lanes]
+    scales = scales[blocks, :, lanes]
+    mins = symmetric_mins(scales) if not mins.numel() else mins[blocks, :, lanes]
+    return pack_q4_codes(codes), scales, mins
 
 
 def gather_q8_x16(

@@ -17,7 +17,8 @@
 // Q4x16: qweight uint8 [NB, SB, 4, 64]. In chunk c (0..3) of n-block j, sub-block b, the
 //   64 bytes are 32 little-endian 16-bit words; word 2i + h (lane i, h = 0 / 1) holds in its
 //   nibble t (bits 4t..4t+3) the code q[16j + i, 32b + 8c + 2t + h].
-//   scales, mins float16 [NB, K / G, 16]: lane i of group g is row 16j + i's.
+//   scales, mins float16 [NB, K / G, 16]: lane i of group g is row 16j + i's; mins may be
+//   empty where every min is -8 x its scale (symmetric codes), and are then not held.
 //   w[n, k] = q * scale + min (GGUF's Q4_1; quant_matmul.cpp's Q4).
 // Q8x16: qweight int8 [NB, SB, 16, 32]. In chunk c (0..15), byte 2i + h holds
 //   q[16j + i, 32b + 2c + h]. scales float16 [NB, K / G, 16] (G = K: one scale per row).
@@ -280,6 +281,12 @@ inline __m512 halves16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A group's 16 mins: the weight's float16 mins, or where it holds none (symmetric codes:
+// GGUF's Q4_0, GPTQ's sym, every min -8 x its scale) -8 x the scales sv, the same floats.
+inline __m512 mins16(const uint16_t* mins, int64_t at, __m512 sv) {
+  return mins != nullptr ? halves16(mins + at) : _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+}
+
 // R rows of x (from m0) against T n-blocks (from j0) of Q4x16 weights.
 template <int R, int T>
 void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const CodesX& qx,
@@ -324,7 +331,7 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
       const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
       const __m512 sv = halves16(scales + at);
       __m512 mv = _mm512_setzero_ps();
-      if (group_end) mv = halves16(mins + at);
+      if (group_end) mv = mins16(mins, at, sv);
       for (int r = 0; r < R; ++r) {
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][t]), sv, acc[r][t]);
         if (group_end)
@@ -481,7 +488,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
     const int64_t g = b / subs_per_group;
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
-      const __m512 sv = halves16(scales + at), mv = halves16(mins + at);
+      const __m512 sv = halves16(scales + at), mv = mins16(mins, at, sv);
       for (int r = 0; r < R; ++r) {
         const int64_t row_sub = (m0 + r) * num_sub + b;
         const __m512i s = kSplit ? _mm512_add_epi32(sum[r][t], odd[r][t]) : sum[r][t];
@@ -588,7 +595,7 @@ void x16_wide_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins
     const int64_t at = (j * num_groups + g) * kLanes;
     const __m512 sv = halves16(scales + at);
     __m512 mv = _mm512_setzero_ps();
-    if constexpr (Q4) mv = halves16(mins + at);
+    if constexpr (Q4) mv = mins16(mins, at, sv);
     const int32_t* xb = xq + b * R * 8;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -727,9 +734,10 @@ torch::Tensor q4x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
   TORCH_CHECK(qweight.scalar_type() == torch::kUInt8, "Q4x16 qweight must be uint8");
   const Dims16 d = check_x16(x, qweight, scales, group_size, n, 256);
   TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.is_contiguous() &&
-                  mins.sizes() == scales.sizes(),
-              "mins must be contiguous float16 shaped like scales");
-  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+                  (mins.sizes() == scales.sizes() || mins.numel() == 0),
+              "mins must be contiguous float16 shaped like scales, or empty (symmetric)");
+  const auto* mp = mins.numel() == 0 ? nullptr
+                                     : reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   return x16_matmul<true>(x, qweight, scales, mp, d, act_bits);
 }
 

@@ -122,6 +122,38 @@ def test_layouts_convert_exactly_both_ways(group_size: int) -> None:
         assert torch.equal(packed.dequantize(), w.dequantize())
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_symmetric_q4_holds_no_mins_and_multiplies_as_if_it_did(group_size: int) -> None:
+    """Every min -8 x its scale (GGUF's Q4_0, GPTQ's sym): the x16 layout holds no mins
+    (4.5 bits a weight at groups of 32), and every path (a lone row, tiles, wide tiles of 8
+    and 16 rows; 16- and 8-bit codes of x) gives the bits it gives with the mins held."""
+    gen = torch.Generator().manual_seed(group_size)
+    n, k = 80, 256
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (0.02 + 0.2 * torch.rand(n, k // group_size, generator=gen)).half()
+    w = Q4Weight(cpu_quant.pack_q4_codes(codes), scales, (scales.float() * -8).half(), group_size)
+    packed = w.to_x16()
+    assert packed.mins.numel() == 0
+    assert packed.num_bytes == w.num_bytes - w.mins.numel() * 2
+    back = packed.to_rows()
+    assert torch.equal(back.mins, w.mins) and torch.equal(packed.dequantize(), w.dequantize())
+    ids = torch.tensor([79, 0, 16, 17, 5])
+    assert torch.equal(packed.lookup(ids), w.dequantize()[ids])
+    mins = w.mins.view(n // 16, 16, -1).transpose(1, 2).contiguous()  # the lanes, held
+    for rows in (1, 3, 4, 8, 9, 16, 24):
+        x = torch.randn(rows, k, generator=gen)
+        for act_bits in (16, 8):
+            without = cpu_quant.q4x16_matmul(x, packed.qweight, packed.scales, packed.mins,
+                                             group_size, n, act_bits)  # fmt: skip
+            with_mins = cpu_quant.q4x16_matmul(x, packed.qweight, packed.scales, mins,
+                                               group_size, n, act_bits)  # fmt: skip
+            assert torch.equal(without, with_mins), (rows, act_bits)
+    # One min off -8 x its scale: the mins are held.
+    off = w.mins.clone()
+    off[3, 1] += 0.5
+    assert Q4Weight(w.qweight, w.scales, off, group_size).to_x16().mins.numel() == off.numel()
+
+
 def test_lookup_takes_the_same_rows_in_either_layout() -> None:
     gen = torch.Generator().manual_seed(2)
     ids = torch.tensor([47, 0, 16, 17, 47, 5, 31])  # repeats, several rows of one block
