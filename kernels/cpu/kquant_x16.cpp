@@ -269,6 +269,17 @@ void kq_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t
 using RowsFn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*,
                         int64_t, int, int64_t, int64_t, const Dims&, float*);
 
+// f(std::true_type) for a weight with mins, f(std::false_type) without: the wide tiles'
+// MINS decided once per call, not per n-block.
+template <class F>
+void with_mins(const KqWeight& w, F&& f) {
+  if (w.has_min()) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 // Group g's 16 lanes of d * sc and of the min term (zero without MINS) for n-block j, as the
 // wide tiles take them.
 template <int G, bool MINS>
@@ -341,11 +352,10 @@ void kq_wide16(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32
 template <int LO, int HI, int G>
 void kq_wide16_rows(const KqWeight& w, const pdserve_cpu::RowCodes16& qx, const int32_t* csum,
                     int64_t m0, int64_t j0, int64_t j1, const Dims& dims, float* out) {
-  if (w.has_min()) {
-    for (int64_t j = j0; j < j1; ++j) kq_wide16<LO, HI, G, true>(w, qx, csum, m0, j, dims, out);
-  } else {
-    for (int64_t j = j0; j < j1; ++j) kq_wide16<LO, HI, G, false>(w, qx, csum, m0, j, dims, out);
-  }
+  with_mins(w, [&](auto mins) {
+    for (int64_t j = j0; j < j1; ++j)
+      kq_wide16<LO, HI, G, decltype(mins)::value>(w, qx, csum, m0, j, dims, out);
+  });
 }
 
 using Wide16Fn = void (*)(const KqWeight&, const pdserve_cpu::RowCodes16&, const int32_t*, int64_t,
@@ -361,7 +371,6 @@ Wide16Fn wide16_fn(int lo_w, int hi_w, int64_t group) {
   if (lo_w == 4 && hi_w == 2 && group == 16) return kq_wide16_rows<4, 2, 16>;  // Q6_K
   return nullptr;
 }
-
 
 constexpr int64_t kUnitsPerBlock = 1;  // a tile's unit: an n-block
 
@@ -620,15 +629,10 @@ void kq_wide_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t tile
 template <int LO, int HI, int G, int R>
 void kq_wide_tiles_i8(const KqWeight& w, const pdserve_cpu::WideRows& wr, int64_t j0, int64_t j1,
                       const Dims& dims, float* out) {
-  const auto tiles = [&](auto mins) {
+  with_mins(w, [&](auto mins) {
     for (int64_t t = 0; t * R < wr.rows; ++t)
       for (int64_t j = j0; j < j1; ++j) kq_wide_i8<LO, HI, G, R, decltype(mins)::value>(w, wr, t, j, dims, out);
-  };
-  if (w.has_min()) {
-    tiles(std::true_type{});
-  } else {
-    tiles(std::false_type{});
-  }
+  });
 }
 
 // Rows of x against n-blocks [j0, j1): the wide tiles (wide16, then wide8: their rows laid

@@ -20,6 +20,7 @@ from common.models.quant.linear import PackedMatmul, QuantCompute
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import available
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.kquant import lanes
 from tests.kernels.test_quant_matmul import (
     K_VALUES,
     REL_TOL,
@@ -139,7 +140,7 @@ def test_symmetric_q4_holds_no_mins_and_multiplies_as_if_it_did(group_size: int)
     assert torch.equal(back.mins, w.mins) and torch.equal(packed.dequantize(), w.dequantize())
     ids = torch.tensor([79, 0, 16, 17, 5])
     assert torch.equal(packed.lookup(ids), w.dequantize()[ids])
-    mins = w.mins.view(n // 16, 16, -1).transpose(1, 2).contiguous()  # the lanes, held
+    mins = lanes(w.mins)  # the same mins, held in the x16 lanes
     for rows in (1, 3, 4, 8, 9, 16, 24):
         x = torch.randn(rows, k, generator=gen)
         for act_bits in (16, 8):
