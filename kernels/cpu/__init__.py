@@ -70,7 +70,9 @@ def target_flags() -> list[str]:
         if target == "avx2" and {"avx2", "fma", "f16c"} <= flags:
             return ["-march=x86-64-v3"]
         if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            return ["-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+            avx512 = ["-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+            # vdpbf16ps for a bfloat16 head (fp8_matmul.cpp)
+            return avx512 + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
         if {"avx2", "fma", "f16c", "avx512vl", "avx512_vnni"} <= flags:
             return ["-march=x86-64-v3", "-mavx512vl", "-mavx512vnni"]
         if {"avx2", "fma", "f16c"} <= flags:

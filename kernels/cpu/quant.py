@@ -271,6 +271,8 @@ def fp8_x16_matmul(
 def half_x16_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x float32 [M, K] contiguous @ bfloat16 / float16 weights held 16 rows interleaved,
     ``packed`` [ceil(N / 16), K, 16] (common/models/quant/half.py), -> float32 [M, N]; each
-    weight converted exactly, float32 products in a fixed order per output, whatever M."""
+    weight converted exactly, float32 sums in a fixed order per output, whatever M. Against
+    bfloat16 weights x is first rounded to bfloat16 (to nearest even), so each product is
+    exact (with AVX512-BF16, vdpbf16ps adds them a column pair at a time)."""
     out: torch.Tensor = load().half_x16_matmul(x, packed, n)
     return out

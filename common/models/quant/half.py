@@ -8,6 +8,12 @@ reads each decode step (SmolLM2's tied 49152 x 576 table: 113 MB against 54 MB f
 ``16 b + l``, column ``j``; the last block padded with zero rows):
 kernels/cpu/fp8_matmul.cpp's ``half_x16_matmul`` converts each weight to float32 as it reads
 it (exact) and multiplies in float32, each output in one fixed order whatever the batch.
+A bfloat16 head multiplies as a bfloat16 linear layer does, on x rounded to bfloat16 (each
+product exact, float32 sums): with AVX512-BF16 the kernel's vdpbf16ps then does twice the
+multiply-adds of float32 FMAs (SmolLM2's head at 16 rows: 2.8 ms against 5.6, Zen 4,
+loadtest/bench_half_head.py), and every path (the kernel, the float GEMM of many rows)
+rounds x the same way first, so a row's logits do not depend on the path. A float16 head
+keeps float32 x (no instruction here multiplies float16 pairs).
 Row-major, the same kernel read four rows a pass as four streams and got half the memory
 bandwidth (3.1 ms for SmolLM2's head against 1.5 ms; at 16 rows 13.8 ms against 6.6).
 Prefill rows take torch's float32 GEMM over converted chunks, as the packed formats do
@@ -77,6 +83,13 @@ class HalfWeight:
     @property
     def num_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+    def round_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as this head multiplies it: rounded to bfloat16 (to nearest even) for a bfloat16
+        head, unchanged for a float16 one."""
+        if self.packed.dtype != torch.bfloat16:
+            return x
+        return x.to(torch.bfloat16).to(torch.float32)
 
     def to_x16(self) -> HalfWeight:
         return self

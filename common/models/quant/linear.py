@@ -239,6 +239,8 @@ class PackedMatmul:
         assert w is not None, "a PackedMatmul keeps its weight unless torch's Q4 layout has it"
         if isinstance(w, Fp8Weight):  # x quantized as the checkpoint says (fp8.py)
             x = w.quantize_input(x)
+        if isinstance(w, HalfWeight):  # a bfloat16 head takes bfloat16 inputs (half.py)
+            x = w.round_input(x)
         if isinstance(w, Fp8Weight | HalfWeight) and (
             self.kernel == "torch" or not cpu_quant_available()
         ):
