@@ -7,7 +7,9 @@ For each: weight bytes as held, single-stream decode tokens/s (a ``--prompt``-to
 to its last), and 16-stream decode tokens/s (16 such sequences at once, all tokens after
 each sequence's first over the wall time from the last prefill). llama-bench's ``tg``
 figure is its single-stream decode after a context of the same length (``-p 0 -n TOKENS
--d PROMPT``, same thread count). A long ``--prompt`` (1000) shows what attention over the
+-d PROMPT``, same thread count), run alone just before the file's engine in every round;
+``x llama`` is the median over rounds of the engine's single stream over the llama-bench
+run beside it. A long ``--prompt`` (1000) shows what attention over the
 context costs each format; ``--kv-dtype float16`` keeps the KV cache in half the bytes (as
 llama.cpp keeps its own).
 
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -110,6 +113,25 @@ def llama_bench(
     return float(rows[0]["avg_ts"]) if rows else None
 
 
+def summarize(done_rounds: list[dict[str, Any]], tg_rounds: list[float]) -> dict[str, Any]:
+    """A format's row: its first round's fields, each speed the best of its rounds (every
+    round kept), and where llama-bench ran beside it, llama.cpp's best round and the single
+    stream's ratio to it per round (each engine round over the llama-bench run just before
+    it) with their median: the figure a drifting machine moves least."""
+    row = dict(done_rounds[0])
+    for key in ("single_tok_s", f"c{STREAMS}_tok_s"):
+        row[key] = max(r[key] for r in done_rounds)
+        row[f"{key}_rounds"] = [r[key] for r in done_rounds]
+    if tg_rounds:
+        row["llama_bench_tg"] = max(tg_rounds)
+        row["llama_bench_tg_rounds"] = tg_rounds
+        if len(tg_rounds) == len(done_rounds):
+            ratios = [r["single_tok_s"] / tg for r, tg in zip(done_rounds, tg_rounds, strict=True)]
+            row["single_x_llama_bench_rounds"] = [round(x, 3) for x in ratios]
+            row["single_x_llama_bench_median"] = round(statistics.median(ratios), 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--float", required=True, help="the float checkpoint (the baseline)")
@@ -138,15 +160,17 @@ def main() -> None:
         rest, _, act = os.path.expanduser(rest).partition("+a")
         path, _, quantization = rest.partition("@")
         specs.append((label, path, (quantization or "auto") + (f"+a{act}" if act else "")))
-    # llama.cpp first, alone; then each format in a process of its own (an engine's kernel
-    # threads must not share the cores with the next measurement).
-    tg = {
-        path: llama_bench(args.llama_bench, path, args.tokens, args.threads, args.prompt)
-        for _, path, _ in specs if args.llama_bench and path.endswith(".gguf")
-    }  # fmt: skip
+    # Each round: every format in a process of its own (an engine's kernel threads must not
+    # share the cores with the next measurement), a GGUF file's llama-bench run alone just
+    # before it, so that each engine round has a llama.cpp figure taken minutes apart at most.
     rounds: list[list[dict[str, Any]]] = [[] for _ in specs]
+    tg_rounds: list[list[float]] = [[] for _ in specs]
     for _ in range(args.rounds):
-        for (label, path, quantization), done_rounds in zip(specs, rounds, strict=True):
+        for (label, path, quantization), done_rounds, tg in zip(specs, rounds, tg_rounds, strict=True):
+            if args.llama_bench and path.endswith(".gguf"):
+                figure = llama_bench(args.llama_bench, path, args.tokens, args.threads, args.prompt)
+                if figure is not None:
+                    tg.append(figure)
             done = subprocess.run(
                 [sys.executable, __file__, "--float", args.float, "--tokens", str(args.tokens),
                  "--prompt", str(args.prompt), "--kv-dtype", args.kv_dtype,
@@ -155,15 +179,7 @@ def main() -> None:
             )  # fmt: skip
             line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
             done_rounds.append(json.loads(line.removeprefix("RESULT ")))
-    rows = []
-    for (_, path, _), done_rounds in zip(specs, rounds, strict=True):
-        row = dict(done_rounds[0])
-        for key in ("single_tok_s", f"c{STREAMS}_tok_s"):
-            row[key] = max(r[key] for r in done_rounds)
-            row[f"{key}_rounds"] = [r[key] for r in done_rounds]
-        if path in tg:
-            row["llama_bench_tg"] = tg[path]
-        rows.append(row)
+    rows = [summarize(done, tg) for done, tg in zip(rounds, tg_rounds, strict=True)]
     base = rows[0]
     cpu = next(
         (re.sub(r"\s+", " ", line.split(":", 1)[1]).strip()
@@ -173,14 +189,16 @@ def main() -> None:
     print(f"CPU: {cpu}, {args.threads} threads; {args.prompt}-token prompts, "
           f"{args.tokens} tokens per stream, KV cache {args.kv_dtype}")  # fmt: skip
     print(f"{'format':<12} {'MB':>7} {'1 stream':>9} {'x float':>8} {f'{STREAMS} streams':>11} "
-          f"{'x float':>8} {'llama-bench':>12}  layout")  # fmt: skip
+          f"{'x float':>8} {'llama-bench':>12} {'x llama':>9}  layout")  # fmt: skip
     for r in rows:
         lb = r.get("llama_bench_tg")
+        ratio = r.get("single_x_llama_bench_median")
         print(
             f"{r['label']:<12} {r['weight_mb']:>7} {r['single_tok_s']:>9} "
             f"{r['single_tok_s'] / base['single_tok_s']:>8.2f} {r[f'c{STREAMS}_tok_s']:>11} "
             f"{r[f'c{STREAMS}_tok_s'] / base[f'c{STREAMS}_tok_s']:>8.2f} "
-            f"{'' if lb is None else f'{lb:.1f}':>12}  {r['format']}"
+            f"{'' if lb is None else f'{lb:.1f}':>12} {'' if ratio is None else f'{ratio:.2f}':>9}"
+            f"  {r['format']}"
         )
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "rows": rows}, indent=1))

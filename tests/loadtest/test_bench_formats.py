@@ -1,0 +1,29 @@
+"""bench_formats' summary of a format's rounds: best speeds, and the single stream's ratio to
+the llama-bench run beside each round, with its median."""
+
+from __future__ import annotations
+
+from loadtest.bench_formats import STREAMS, summarize
+
+
+def rounds(*single: float) -> list[dict[str, object]]:
+    return [
+        {"label": "Q2_K", "weight_mb": 83.0, "single_tok_s": s, f"c{STREAMS}_tok_s": 10 * s}
+        for s in single
+    ]
+
+
+def test_each_round_is_judged_against_the_llama_bench_run_beside_it() -> None:
+    row = summarize(rounds(300.0, 240.0, 270.0), [200.0, 150.0, 180.0])
+    assert row["single_tok_s"] == 300.0 and row[f"c{STREAMS}_tok_s"] == 3000.0
+    assert row["single_tok_s_rounds"] == [300.0, 240.0, 270.0]
+    assert row["llama_bench_tg"] == 200.0
+    assert row["single_x_llama_bench_rounds"] == [1.5, 1.6, 1.5]
+    assert row["single_x_llama_bench_median"] == 1.5
+
+
+def test_a_format_without_llama_bench_or_with_a_failed_run_has_no_ratio() -> None:
+    assert "llama_bench_tg" not in summarize(rounds(100.0), [])
+    row = summarize(rounds(100.0, 120.0), [80.0])  # one llama-bench run failed
+    assert row["llama_bench_tg"] == 80.0
+    assert "single_x_llama_bench_median" not in row
