@@ -18,6 +18,7 @@ machine:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -56,10 +57,10 @@ def measure(rows: list[int], repeats: int) -> list[dict[str, float | int | str]]
     for m in rows:
         x = torch.randn(m, k)
         timings = {
-            name: best_ms(lambda h=head, x=x: cpu_quant.half_x16_matmul(x, h.packed, h.n), repeats)
+            name: best_ms(functools.partial(cpu_quant.half_x16_matmul, x, head.packed, head.n), repeats)
             for name, head in heads.items()
         }
-        timings["fp32 gemm"] = best_ms(lambda x=x: F.linear(x, dense), repeats)
+        timings["fp32 gemm"] = best_ms(functools.partial(F.linear, x, dense), repeats)
         for name, ms in timings.items():
             held = dense.numel() * (4 if name == "fp32 gemm" else 2)
             results.append({
