@@ -143,6 +143,8 @@ class _TorchQ4:
 
 def _dense_in_chunks(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """x @ dequantize(weight).T, dequantizing at most _CHUNK_ELEMENTS at a time."""
+    if isinstance(weight, HalfWeight):  # as the kernel does: a bfloat16 head's x rounded
+        x = weight.round_input(x)
     n, k = weight.shape
     rows = max(16, _CHUNK_ELEMENTS // k)
     if rows >= n:
@@ -239,8 +241,6 @@ class PackedMatmul:
         assert w is not None, "a PackedMatmul keeps its weight unless torch's Q4 layout has it"
         if isinstance(w, Fp8Weight):  # x quantized as the checkpoint says (fp8.py)
             x = w.quantize_input(x)
-        if isinstance(w, HalfWeight):  # a bfloat16 head takes bfloat16 inputs (half.py)
-            x = w.round_input(x)
         if isinstance(w, Fp8Weight | HalfWeight) and (
             self.kernel == "torch" or not cpu_quant_available()
         ):
