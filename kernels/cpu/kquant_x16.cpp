@@ -892,6 +892,197 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
   return nullptr;
 }
 
+
+// The 8-bit activation path on AVX2 (act_bits 8, codes of at most 6 bits: every GGUF type
+// this kernel reads): x in int8 codes per sub-block of 32 as the AVX-512 path codes them
+// (x8_quantize_rows, quant_x16.cpp's AVX2 build), weights unpacked into quads as there
+// (quad_bits, above the AVX-512 path: bytes u[2P], u[2P2], u[2P + 1], u[2P2 + 1] per lane,
+// ANDs and ORs where that path has vpternlogd). vpmaddubsw multiplies the unsigned codes by
+// the signed x codes and adds pairs into int16; a run of such products still adds up in
+// int16 exactly (at most 32767 / (255 x 2^B) quads for codes of B bits: a product pair is at
+// most (2^B - 1) x 128 x 2), and one vpmaddwd by ones widens each run into the int32 sum. A
+// half of an n-block's sub-block is unpacked once for all the tile's rows. Per group the
+// float work is kq_tile_i8's, in its order: the same floats as the AVX-512 path.
+
+template <int S>
+inline __m256i shift16_8(__m256i v) {  // left by S bits (right when S < 0), per 16-bit word
+  if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+  if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+  return v;
+}
+
+constexpr int quad_pair8(int lo_w, int q) {  // kquant's quad order (quad_pair)
+  const int per = 16 / lo_w, half = per / 2;
+  return (q / half) * per + q % half;
+}
+
+template <int LO, int HI, int Q>
+inline __m256i quad_bits8(const __m256i* lo, const __m256i* hi) {
+  constexpr int per = 16 / LO, half = per / 2;
+  constexpr int P = quad_pair8(LO, Q), P2 = P + half;
+  constexpr int lo_mask = (1 << LO) - 1;
+  const __m256i low = _mm256_and_si256(shift16_8<-LO * (P % per)>(lo[P / per]),
+                                       _mm256_set1_epi16(static_cast<int16_t>(lo_mask * 0x101)));
+  if constexpr (HI == 0) {
+    return low;
+  } else {
+    constexpr int hi_per = 16 / HI, hm = (1 << HI) - 1;
+    constexpr int at = HI * (P % hi_per), at2 = HI * (P2 % hi_per);
+    const __m256i a = shift16_8<LO - at>(hi[P / hi_per]);
+    if constexpr (P / hi_per != P2 / hi_per || LO - at != LO + 8 - at2) {
+      const __m256i b = shift16_8<LO + 8 - at2>(hi[P2 / hi_per]);
+      const __m256i high = _mm256_or_si256(
+          _mm256_and_si256(a, _mm256_set1_epi16(static_cast<int16_t>(hm << LO))),
+          _mm256_and_si256(b, _mm256_set1_epi16(static_cast<int16_t>(hm << (LO + 8)))));
+      return _mm256_or_si256(low, high);
+    } else {
+      constexpr int16_t both = static_cast<int16_t>((hm << LO) | (hm << (LO + 8)));
+      return _mm256_or_si256(low, _mm256_and_si256(a, _mm256_set1_epi16(both)));
+    }
+  }
+}
+
+// spread_q5 (the AVX-512 path's) with a byte blend: 5-bit codes' high bits one shift away.
+inline void spread_q5_8(__m256i h, __m256i* out) {
+  const __m256i low_byte = _mm256_set1_epi16(0x00FF);
+  out[0] = _mm256_blendv_epi8(_mm256_slli_epi16(h, 6), h, low_byte);
+  out[1] = _mm256_blendv_epi8(_mm256_srli_epi16(h, 2), _mm256_srli_epi16(h, 8), low_byte);
+}
+
+template <int Q>
+inline __m256i quad_bits_q5_8(const __m256i* lo, const __m256i* spread) {
+  constexpr int P = quad_pair8(4, Q);
+  const __m256i low = _mm256_and_si256(shift16_8<-4 * (P % 4)>(lo[P / 4]), _mm256_set1_epi16(0x0F0F));
+  const __m256i high = shift16_8<4 - P % 8>(spread[P / 8]);
+  return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi16(0x1010)));
+}
+
+// 6-bit codes (4 + 2: Q6_K): a 2-bit chunk's word H holds pair P's bits at 2 (P % 8), and a
+// quad's partner pair P2 = P + 2 sits 4 bits above, where the quad wants 8. Spread once per
+// sub-block into two words per chunk, low bytes from H (then H >> 8) and high bytes from
+// H << 4 (then H >> 4): pairs P % 8 in {0, 1} (then {4, 5}) lie at 2 (P % 4) and their
+// partners 8 above, so each quad's high bits take one shift and a mask.
+inline void spread_q6_8(const __m256i* hi, __m256i* out) {
+  const __m256i low_byte = _mm256_set1_epi16(0x00FF);
+  for (int c = 0; c < 2; ++c) {
+    const __m256i h = hi[c];
+    out[2 * c] = _mm256_blendv_epi8(_mm256_slli_epi16(h, 4), h, low_byte);
+    out[2 * c + 1] = _mm256_blendv_epi8(_mm256_srli_epi16(h, 4), _mm256_srli_epi16(h, 8), low_byte);
+  }
+}
+
+template <int Q>
+inline __m256i quad_bits_q6_8(const __m256i* lo, const __m256i* spread) {
+  constexpr int P = quad_pair8(4, Q);
+  const __m256i low = _mm256_and_si256(shift16_8<-4 * (P % 4)>(lo[P / 4]), _mm256_set1_epi16(0x0F0F));
+  const __m256i high = shift16_8<4 - 2 * (P % 4)>(spread[2 * (P / 8) + (P % 8) / 4]);
+  return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi16(0x3030)));
+}
+
+// Quads whose vpmaddubsw products add up in int16 exactly, for codes of `bits` bits.
+constexpr int int16_run(int bits) { return 32767 / (((1 << bits) - 1) * 256); }
+
+// R rows (from m0) against n-block j, both its halves, on the 8-bit path.
+template <int LO, int HI, int G, int R>
+void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j,
+                   const Dims& dims, float* out) {
+  constexpr int groups_per_sub = static_cast<int>(kSub / G), quads_per_group = 8 / groups_per_sub;
+  constexpr int run = std::min(int16_run(LO + HI), quads_per_group);
+  static_assert(run >= 1, "codes too wide for int16 runs");
+  const int64_t num_sub = dims.num_sub(), groups = dims.K / G, blocks = dims.K / w.L;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_sub; ++b) {
+    for (int e = 0; e < 2; ++e) {
+      __m256i v[8];
+      {
+        __m256i lo[LO], hi[HI > 0 ? HI : 1], spread[4];
+        const uint8_t* lp = w.lo + (j * num_sub + b) * LO * 64 + e * 32;
+        for (int c = 0; c < LO; ++c) lo[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lp + c * 64));
+        if constexpr (HI > 0) {
+          const uint8_t* hp = w.hi + (j * num_sub + b) * HI * 64 + e * 32;
+          for (int c = 0; c < HI; ++c) hi[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp + c * 64));
+          if constexpr (LO == 4 && HI == 1) spread_q5_8(hi[0], spread);
+          if constexpr (LO == 4 && HI == 2) spread_q6_8(hi, spread);
+        }
+        [&]<int... Q>(std::integer_sequence<int, Q...>) {
+          if constexpr (LO == 4 && HI == 1) {
+            ((v[Q] = quad_bits_q5_8<Q>(lo, spread)), ...);
+          } else if constexpr (LO == 4 && HI == 2) {
+            ((v[Q] = quad_bits_q6_8<Q>(lo, spread)), ...);
+          } else {
+            ((v[Q] = quad_bits8<LO, HI, Q>(lo, hi)), ...);
+          }
+        }(std::make_integer_sequence<int, 8>{});
+      }
+      for (int q = 0; q < groups_per_sub; ++q) {
+        const int64_t g = b * groups_per_sub + q;
+        const int64_t at_block = (j * blocks + g * G / w.L) * kLanes + e * 8;
+        const int64_t at_group = (j * groups + g) * kLanes + e * 8;
+        const __m256 scale = group_scale8(w, at_block, at_group);
+        const __m256 min_term = group_min8(w, at_block, at_group);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = qx.quads.data() + ((m0 + r) * dims.K + b * kSub) / 4;
+          __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int Q0 = q * quads_per_group; Q0 < (q + 1) * quads_per_group; Q0 += run) {
+            __m256i p = _mm256_maddubs_epi16(v[Q0], _mm256_set1_epi32(xq[Q0]));
+#pragma GCC unroll 8
+            for (int Q = Q0 + 1; Q < Q0 + run; ++Q)
+              p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[Q], _mm256_set1_epi32(xq[Q])));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+          }
+          const int32_t c = qx.csum[(m0 + r) * groups + g];
+          if (w.bias != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(w.bias * c));
+          __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(s), scale);
+          if (w.has_min())
+            inner = _mm256_fmadd_ps(min_term, _mm256_set1_ps(static_cast<float>(c)), inner);
+          acc[r][e] = _mm256_fmadd_ps(inner, _mm256_set1_ps(qx.dx[(m0 + r) * num_sub + b]),
+                                      acc[r][e]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int e = 0; e < 2; ++e)
+      _mm256_storeu_ps(out + (m0 + r) * dims.N + j * kLanes + e * 8, acc[r][e]);
+}
+
+constexpr int kMaxRowsI8 = 8;  // rows of x per pass on the AVX2 8-bit path
+
+// Rows [m0, m0 + rows) (at most kMaxRowsI8) against n-blocks [j0, j1).
+template <int LO, int HI, int G>
+void kq_rows_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int rows,
+                  int64_t j0, int64_t j1, const Dims& dims, float* out) {
+  auto each = [&]<int R>() {
+    for (int64_t j = j0; j < j1; ++j) kq_block_i8_8<LO, HI, G, R>(w, qx, m0, j, dims, out);
+  };
+  switch (rows) {
+    case 1: each.template operator()<1>(); break;
+    case 2: each.template operator()<2>(); break;
+    case 3: each.template operator()<3>(); break;
+    case 4: each.template operator()<4>(); break;
+    case 5: each.template operator()<5>(); break;
+    case 6: each.template operator()<6>(); break;
+    case 7: each.template operator()<7>(); break;
+    default: each.template operator()<8>(); break;
+  }
+}
+
+using RowsI8Fn8 = void (*)(const KqWeight&, const pdserve_cpu::RowCodes8&, int64_t, int,
+                           int64_t, int64_t, const Dims&, float*);
+
+RowsI8Fn8 rows_i8_fn8(int lo_w, int hi_w, int64_t group) {
+  if (lo_w == 2 && hi_w == 0 && group == 16) return kq_rows_i8_8<2, 0, 16>;
+  if (lo_w == 2 && hi_w == 1 && group == 16) return kq_rows_i8_8<2, 1, 16>;
+  if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows_i8_8<4, 0, 32>;
+  if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows_i8_8<4, 1, 32>;
+  if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows_i8_8<4, 2, 16>;
+  return nullptr;  // 8-bit codes (4 + 4) keep int16 x: their products overflow vpmaddubsw
+}
+
 #endif  // PDSERVE_KQ8
 
 #if defined(PDSERVE_KQ16) || defined(PDSERVE_KQ8)
@@ -998,6 +1189,24 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
       run8(w, q8, wide16, wide8, rest, u0, u1, dims, op);
     });
     return out;
+  }
+#endif
+#ifdef PDSERVE_KQ8
+  if (act_bits == 8 || int8_tokens) {  // 8-bit weights (W8A8) stay below: their products overflow
+    const RowsI8Fn8 run8 = rows_i8_fn8(w.lo_w, hi_w, group_size);
+    if (run8 != nullptr) {
+      const RowCodes8 q8 = x8_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,
+                                            w.lo_w, int8_tokens);
+      const int64_t passes = (dims.M + kMaxRowsI8 - 1) / kMaxRowsI8;
+      parallel_for(dims.num_blocks(), 1, [&](int64_t j0, int64_t j1) {
+        for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+          const int rows = static_cast<int>((dims.M - m0) / (passes - p));
+          run8(w, q8, m0, rows, j0, j1, dims, op);
+          m0 += rows;
+        }
+      });
+      return out;
+    }
   }
 #endif
   const RowCodes16 qx =

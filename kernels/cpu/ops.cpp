@@ -1,4 +1,5 @@
-// The elementwise ops and decode attention of a CPU step, fused (float32 only).
+// The elementwise ops and decode attention of a CPU step, fused (float32; the KV cache
+// float32, float16 or bfloat16).
 //
 // T = tokens, H = hidden size, Hq / Hkv = query / kv heads, D = head dim, N = cache blocks,
 // S = block size, B = decode sequences, M = max blocks per sequence, P = rotary positions,
@@ -83,17 +84,6 @@ float dot(const float* a, const float* b, int64_t n) {
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// y += a * x
-void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#ifdef PDSERVE_AVX2
-  const __m256 va = _mm256_set1_ps(a);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += a * x[i];
 }
 
 // -- RMS norm ---------------------------------------------------------------------------------
@@ -325,9 +315,60 @@ inline void for_each_run(const int32_t* table, int shift, int64_t first, int64_t
   }
 }
 
+// A cache's elements (T: float, at::Half or at::BFloat16) as float32: float16 and bfloat16
+// widen exactly, so a half cache attends as a float32 cache of the same values, bit for bit.
+#ifdef PDSERVE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+inline __m256 load8(const at::BFloat16* p) {  // the 16 bits above 16 zero bits
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+// dot (above) and y += a * x with b / x a cache row of T, float32 included, in one body: the
+// tails' multiply-adds are explicit fmas, so no instantiation rounds differently from
+// another (a float16 cache then attends bit for bit as a float32 cache of its values).
+template <typename T>
+float dot_kv(const float* a, const T* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef PDSERVE_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s = std::fma(a[i], static_cast<float>(b[i]), s);
+  return s;
+}
+
+template <typename T>
+void axpy_kv(float a, const T* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::fma(a, static_cast<float>(x[i]), y[i]);
+}
+
 // scores[i] = scale * q . keys[i * row] for i < count (consecutive slots).
-inline void scores_run(const float* q, const float* keys, int64_t row, int64_t count,
-                       int64_t d, float scale, float* scores) {
+template <typename T>
+inline void scores_run(const float* q, const T* keys, int64_t row, int64_t count, int64_t d,
+                       float scale, float* scores) {
   int64_t i = 0;
 #ifdef PDSERVE_AVX2
   if (d % 8 == 0) {
@@ -338,13 +379,13 @@ inline void scores_run(const float* q, const float* keys, int64_t row, int64_t c
       for (int64_t c = 0; c < d; c += 8) {
         const __m256 qv = _mm256_loadu_ps(q + c);
         for (int j = 0; j < 8; ++j)
-          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (i + j) * row + c), acc[j]);
+          acc[j] = _mm256_fmadd_ps(qv, load8(keys + (i + j) * row + c), acc[j]);
       }
       _mm256_storeu_ps(scores + i, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
   }
 #endif
-  for (; i < count; ++i) scores[i] = dot(q, keys + i * row, d) * scale;
+  for (; i < count; ++i) scores[i] = dot_kv(q, keys + i * row, d) * scale;
 }
 
 // In place: scores -> exp(scores - max); returns their sum.
@@ -372,16 +413,16 @@ float softmax_numerators(float* scores, int64_t n) {
 
 #ifdef PDSERVE_AVX2
 // out[offset : offset + 8L] = sum over the runs of weight * value row (8L dims in registers).
-template <int L, typename Runs>
-void weighted_values_lanes(const float* weights, const float* values, int64_t row,
+template <int L, typename T, typename Runs>
+void weighted_values_lanes(const float* weights, const T* values, int64_t row,
                            int64_t offset, const Runs& runs, float* out) {
   __m256 acc[L];
   for (int i = 0; i < L; ++i) acc[i] = _mm256_setzero_ps();
   runs([&](int64_t index, int64_t slot, int64_t count) {
     for (int64_t j = 0; j < count; ++j) {
       const __m256 w = _mm256_broadcast_ss(weights + index + j);
-      const float* v = values + (slot + j) * row + offset;
-      for (int i = 0; i < L; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      const T* v = values + (slot + j) * row + offset;
+      for (int i = 0; i < L; ++i) acc[i] = _mm256_fmadd_ps(w, load8(v + 8 * i), acc[i]);
     }
   });
   for (int i = 0; i < L; ++i) _mm256_storeu_ps(out + offset + 8 * i, acc[i]);
@@ -390,8 +431,8 @@ void weighted_values_lanes(const float* weights, const float* values, int64_t ro
 
 // out[0:d] = sum over the context of weight * value. runs(f) calls f(index, slot, count) for
 // each run of consecutive slots (see for_each_run); values + slot * row is a slot's row.
-template <typename Runs>
-void weighted_values(const float* weights, const float* values, int64_t row, int64_t d,
+template <typename T, typename Runs>
+void weighted_values(const float* weights, const T* values, int64_t row, int64_t d,
                      const Runs& runs, float* out) {
 #ifdef PDSERVE_AVX2
   if (d % 8 == 0) {
@@ -404,15 +445,16 @@ void weighted_values(const float* weights, const float* values, int64_t row, int
 #endif
   std::fill_n(out, d, 0.f);
   runs([&](int64_t index, int64_t slot, int64_t count) {
-    for (int64_t j = 0; j < count; ++j) axpy(weights[index + j], values + (slot + j) * row, out, d);
+    for (int64_t j = 0; j < count; ++j) axpy_kv(weights[index + j], values + (slot + j) * row, out, d);
   });
 }
 
 // The G query heads of one kv head over one sequence's context: scores [G, ctx], softmax,
 // and out[g] = sum weight * value. Chunks of 8 consecutive slots are read from L2 once and
 // serve every head of the group from L1.
-void group_attention(const float* q, int64_t q_head_stride, int64_t group, const float* keys,
-                     const float* values, int64_t row, int64_t d, const int32_t* table,
+template <typename T>
+void group_attention(const float* q, int64_t q_head_stride, int64_t group, const T* keys,
+                     const T* values, int64_t row, int64_t d, const int32_t* table,
                      int shift, int64_t first, int64_t len, float scale, float* scores,
                      float* out, int64_t out_head_stride) {
   const int64_t ctx = len - first;
@@ -436,6 +478,53 @@ void group_attention(const float* q, int64_t q_head_stride, int64_t group, const
   }
 }
 
+// paged_decode_attention's rows on this file's path, over a cache of T (float, at::Half or
+// at::BFloat16; q and out float32).
+template <typename T>
+void attend_rows(const float* qp, int64_t q_stride, int64_t b, int64_t hq, int64_t hkv,
+                 int64_t d, const T* kc, const T* vc, int shift, const int32_t* tables,
+                 int64_t m, const int32_t* lens, int64_t longest, float fscale, int64_t window,
+                 float* op) {
+  const int64_t group = hq / hkv;
+  const int64_t row = hkv * d;  // elements per cache slot
+  int64_t threads = at::get_num_threads();
+  if (b * hkv >= 2 * threads) {
+    // Enough (sequence, kv head) tasks to share out: each serves its whole query group.
+    pdserve_cpu::parallel_for(b * hkv, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores(group * longest);
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t seq = task / hkv, kvh = task % hkv, len = lens[seq];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        group_attention(qp + seq * q_stride + kvh * group * d, d, group, kc + kvh * d,
+                        vc + kvh * d, row, d, tables + seq * m, shift, first, len, fscale,
+                        scores.data(), op + (seq * hq + kvh * group) * d, d);
+      }
+    });
+    return;
+  }
+  // Few sequences: one task per (sequence, query head), so every thread has work.
+  pdserve_cpu::parallel_for(b * hq, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(longest);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t seq = task / hq, head = task % hq, kvh = head / group;
+      const int64_t len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int32_t* table = tables + seq * m;
+      const T* kh = kc + kvh * d;
+      const T* vh = vc + kvh * d;
+      const auto runs = [&](auto&& f) { for_each_run(table, shift, first, len, f); };
+      const float* qh = qp + seq * q_stride + head * d;
+      float* sc = scores.data();
+      for_each_run(table, shift, first, len, [&](int64_t index, int64_t slot, int64_t count) {
+        scores_run(qh, kh + slot * row, row, count, d, fscale, sc + index);
+      });
+      const float inv = 1.0f / softmax_numerators(sc, len - first);
+      for (int64_t i = 0; i < len - first; ++i) sc[i] *= inv;
+      weighted_values(sc, vh, row, d, runs, op + (seq * hq + head) * d);
+    }
+  });
+}
+
 }  // namespace
 
 namespace pdserve_cpu {
@@ -447,8 +536,8 @@ namespace pdserve_cpu {
 // weighted sum of values, each one pass over the context read through the block table in
 // runs of consecutive slots. Built with AVX-512 and D a multiple of 16 (up to 128), the
 // work goes to decode_attention_x16.cpp instead, which serves a verify's rows of one
-// sequence together and computes every row as it would alone; there the caches may also be
-// float16 or bfloat16 (elsewhere float32 only: attention_takes says which).
+// sequence together and computes every row as it would alone. The caches may be float32,
+// float16 or bfloat16 on either path (half elements widen exactly as they are loaded).
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
@@ -491,49 +580,20 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                         v_cache.data_ptr(), element, shift, tables, m, lens,
                                         fscale, window, op))
     return out;
-  TORCH_CHECK(element == pdserve_cpu::KvElement::kFloat,
-              "a float16 or bfloat16 KV cache needs the AVX-512 attention path (built for this "
-              "CPU where it has AVX-512) and a head dim that is a multiple of 16 up to 128; "
-              "got head dim ", d, " (attention_takes() says which caches this build serves)");
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int64_t row = hkv * d;  // floats per cache slot
-  int64_t threads = at::get_num_threads();
-  if (b * hkv >= 2 * threads) {
-    // Enough (sequence, kv head) tasks to share out: each serves its whole query group.
-    pdserve_cpu::parallel_for(b * hkv, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(group * longest);
-      for (int64_t task = t0; task < t1; ++task) {
-        const int64_t seq = task / hkv, kvh = task % hkv, len = lens[seq];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        group_attention(qp + seq * q.stride(0) + kvh * group * d, d, group, kc + kvh * d,
-                        vc + kvh * d, row, d, tables + seq * m, shift, first, len, fscale,
-                        scores.data(), op + (seq * hq + kvh * group) * d, d);
-      }
-    });
-    return out;
+  const auto attend = [&](const auto* kc, const auto* vc) {
+    attend_rows(qp, q.stride(0), b, hq, hkv, d, kc, vc, shift, tables, m, lens, longest,
+                fscale, window, op);
+  };
+  switch (element) {
+    case pdserve_cpu::KvElement::kHalf:
+      attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      break;
+    case pdserve_cpu::KvElement::kBFloat16:
+      attend(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+      break;
+    default:
+      attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   }
-  // Few sequences: one task per (sequence, query head), so every thread has work.
-  pdserve_cpu::parallel_for(b * hq, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(longest);
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t seq = task / hq, head = task % hq, kvh = head / group;
-      const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int32_t* table = tables + seq * m;
-      const float* kh = kc + kvh * d;
-      const float* vh = vc + kvh * d;
-      const auto runs = [&](auto&& f) { for_each_run(table, shift, first, len, f); };
-      const float* qh = qp + seq * q.stride(0) + head * d;
-      float* sc = scores.data();
-      for_each_run(table, shift, first, len, [&](int64_t index, int64_t slot, int64_t count) {
-        scores_run(qh, kh + slot * row, row, count, d, fscale, sc + index);
-      });
-      const float inv = 1.0f / softmax_numerators(sc, len - first);
-      for (int64_t i = 0; i < len - first; ++i) sc[i] *= inv;
-      weighted_values(sc, vh, row, d, runs, op + (seq * hq + head) * d);
-    }
-  });
   return out;
 }
 
@@ -679,12 +739,10 @@ void register_ops(pybind11::module& m) {
   m.def("attention_takes",
         [](const torch::Tensor& cache) {
           const auto type = cache.scalar_type();
-          if (type == torch::kFloat32) return true;
-          return (type == torch::kFloat16 || type == torch::kBFloat16) && cache.dim() == 4 &&
-                 pdserve_cpu::attention_x16_takes(cache.size(3));
+          return type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16;
         },
         "whether write_kv and paged_decode_attention take this KV cache [N, S, Hkv, D] "
-        "(float32 always; float16 / bfloat16 on the AVX-512 path)");
+        "(float32, float16 and bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "one query per sequence over its paged context");

@@ -49,6 +49,9 @@
     defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PDSERVE_X16 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_X8_AVX2 1  // x8_quantize_rows only: kquant_x16.cpp's AVX2 8-bit path reads it
 #endif
 
 namespace {
@@ -102,6 +105,21 @@ struct CodesX {
   std::vector<float> dx;       // [M]
   std::vector<float> xsum;     // [M, K / G], each / dx (zero when dx is)
 };
+
+#if defined(PDSERVE_X16) || defined(PDSERVE_X8_AVX2)
+// One sub-block's 32 codes in the quad order of planes of width 4 or 2 (kquant_x16.cpp's
+// pairing: within each 16 bytes, bytes 2p, 2p2, 2p + 1, 2p2 + 1 per quad; vpshufb's indices,
+// per 128-bit lane), or as they are (order 8).
+inline __m256i quad_order(__m256i codes, int order) {
+  if (order == 8) return codes;
+  const __m256i indices = order == 4
+      ? _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+      : _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(codes, indices);
+}
+#endif
 
 #ifdef PDSERVE_X16
 
@@ -166,18 +184,6 @@ CodesX quantize_rows(const float* x, const Dims16& d, bool with_sums, bool int8_
   return q;
 }
 
-// One sub-block's 32 codes in the quad order of planes of width 4 or 2 (kquant_x16.cpp's
-// pairing: within each 16 bytes, bytes 2p, 2p2, 2p + 1, 2p2 + 1 per quad; vpshufb's indices,
-// per 128-bit lane), or as they are (order 8).
-inline __m256i quad_order(__m256i codes, int order) {
-  if (order == 8) return codes;
-  const __m256i indices = order == 4
-      ? _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
-      : _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  return _mm256_shuffle_epi8(codes, indices);
-}
 
 }  // namespace
 
@@ -725,6 +731,88 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
 }
 
 }  // namespace
+
+#ifdef PDSERVE_X8_AVX2
+namespace {
+
+inline float max_of(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline __m256 abs_of(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+}  // namespace
+
+namespace pdserve_cpu {
+
+// The AVX-512 build's x8_quantize_rows (above) in 256-bit registers: the same steps, the
+// same rounding (vcvtps2dq, to nearest even) and the same saturation to int8 (two packs,
+// through int16, clamp as one), so the codes, steps and sums are the same numbers.
+RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int order,
+                           bool int8_tokens) {
+  TORCH_CHECK(order == 2 || order == 4 || order == 8, "quad order 2, 4 or 8, got ", order);
+  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "int8 codes: K a multiple of 32, G 16 or 32");
+  RowCodes8 q;
+  const int64_t num_sub = K / kSub, groups = K / G;
+  q.quads.resize(M * K / 4);
+  q.dx.resize(M * num_sub);
+  q.csum.resize(M * groups);
+  // packs_epi32 then packs_epi16 leave each 128-bit lane's dwords interleaved: back in order.
+  const __m256i unmix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float row_scale = 0.f;
+    if (int8_tokens) {
+      __m256 top = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) top = _mm256_max_ps(top, abs_of(_mm256_loadu_ps(row + k)));
+      row_scale = max_of(top) / 127.5f;
+      if (row_scale == 0.f) row_scale = FLT_EPSILON;
+    }
+    for (int64_t b = 0; b < num_sub; ++b) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(row + b * kSub + 8 * i);
+      __m256i c[4];
+      float step;
+      if (int8_tokens) {
+        step = row_scale;
+        const __m256 s = _mm256_set1_ps(step);
+        for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], s));
+      } else {
+        const float absmax = max_of(_mm256_max_ps(_mm256_max_ps(abs_of(v[0]), abs_of(v[1])),
+                                                  _mm256_max_ps(abs_of(v[2]), abs_of(v[3]))));
+        step = absmax / 127.f;
+        const __m256 inv = _mm256_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+        for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      }
+      q.dx[m * num_sub + b] = step;
+      const __m256i codes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+          unmix);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.quads.data() + (m * K + b * kSub) / 4),
+                          quad_order(codes, order));
+      // The group sums from the clamped codes: vpsadbw of the codes + 128 sums each 8, less
+      // 8 x 128.
+      const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(codes, flip), _mm256_setzero_si256());
+      int64_t eights[4];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(eights), sums);
+      const int32_t first = static_cast<int32_t>(eights[0] + eights[1]) - 2048;
+      const int32_t second = static_cast<int32_t>(eights[2] + eights[3]) - 2048;
+      if (G == 32) {
+        q.csum[m * groups + b] = first + second;
+      } else {
+        q.csum[m * groups + 2 * b] = first;
+        q.csum[m * groups + 2 * b + 1] = second;
+      }
+    }
+  }
+  return q;
+}
+
+}  // namespace pdserve_cpu
+#endif  // PDSERVE_X8_AVX2
 
 namespace pdserve_cpu {
 

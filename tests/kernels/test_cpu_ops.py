@@ -402,13 +402,13 @@ def test_a_row_computes_the_same_bits_alone_in_a_verify_group_and_in_a_batch(
 
 @pytest.mark.parametrize("dtype", HALF_KV)
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 attention path is not built here")
 def test_a_half_cache_attends_as_a_float32_cache_of_its_values(
     ops: ModuleType, dtype: torch.dtype, block_size: int
 ) -> None:
     """A float16 / bfloat16 cache is converted exactly on the load, so its attention is the
     bits of the same kernel over a float32 cache of the same values: decodes, a verify group
-    and rows over several partitions, with and without a window, on 1 and 2 threads."""
+    and rows over several partitions, with and without a window, on 1 and 2 threads (on the
+    AVX-512 path where it is built, else on ops.cpp's AVX2 one)."""
     gen = _gen(12)
     k_cache, v_cache, tables, _, _ = _paged_cache([600, 7, 300], 3, 64, block_size, 0, gen)
     k_half, v_half = k_cache.to(dtype), v_cache.to(dtype)
@@ -428,17 +428,23 @@ def test_a_half_cache_attends_as_a_float32_cache_of_its_values(
             assert torch.equal(got, want), (window, threads)
 
 
-def test_half_caches_are_refused_where_the_avx512_path_cannot_take_them(ops: ModuleType) -> None:
-    """Head dim 20 is no multiple of 16: float32 caches take the other path, half ones are
-    refused with what to do (attention_takes says so first)."""
-    cache = torch.zeros(2, 4, 1, 20, dtype=torch.float16)
-    assert not ops.attention_takes(cache)
-    assert ops.attention_takes(cache.float())
-    q = torch.randn(1, 2, 20)
-    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="needs the AVX-512 attention path"):
-        ops.paged_decode_attention(q, cache, cache, tables, lens, 0.2, 0)
-    ops.paged_decode_attention(q, cache.float(), cache.float(), tables, lens, 0.2, 0)
+@pytest.mark.parametrize("dtype", HALF_KV)
+def test_a_half_cache_of_any_head_dim_is_taken(ops: ModuleType, dtype: torch.dtype) -> None:
+    """Head dim 20 is no multiple of 16 (the AVX-512 path declines it) nor of 8 (ops.cpp's
+    vector loops): a half cache still attends, on the scalar loops, as a float32 cache of
+    its values, and write_kv stores into it."""
+    cache = torch.zeros(2, 4, 1, 20, dtype=dtype)
+    assert ops.attention_takes(cache) and ops.attention_takes(cache.float())
+    gen = _gen(5)
+    k, v = torch.randn(7, 1, 20, generator=gen), torch.randn(7, 1, 20, generator=gen)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    ops.write_kv(k, v, k_cache, v_cache, torch.arange(7))
+    assert torch.equal(k_cache.view(-1, 20)[:7], k[:, 0].to(dtype))
+    q = torch.randn(1, 2, 20, generator=gen)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, 0)
+    want = ops.paged_decode_attention(q, k_cache.float(), v_cache.float(), tables, lens, 0.2, 0)
+    assert torch.equal(got, want)
 
 
 def test_decode_matches_the_torch_backend(ops: ModuleType) -> None:
@@ -587,9 +593,6 @@ def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.
     output is the bits of its float32 path over those values (the torch backend's, which
     attends over the step's own K/V unrounded, within the cache's rounding)."""
     from common.engine.attention.cpp_backend import CppAttentionBackend
-
-    if kv_dtype != torch.float32 and not _has_avx512():
-        pytest.skip("half KV caches take the C++ attention on the AVX-512 path only")
 
     gen = _gen(6)
     block_size, num_kv_heads, num_q_heads, head_dim, num_blocks = 4, 2, 6, 32, 24

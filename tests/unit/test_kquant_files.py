@@ -81,10 +81,10 @@ def test_expert_tensors_are_read_expert_by_expert(name: str) -> None:
     """A 3-D expert tensor [E, N, K] becomes one packed weight per expert, under that
     expert's Hugging Face name, each dequantizing bit for bit to the gguf package's slice."""
     from common.models.quant.gguf import GgufCheckpoint
-    from common.models.quant.linear import x16_available
+    from kernels.cpu.kquant import kq_available
 
-    if not x16_available():
-        pytest.skip("the KQx16 kernel needs AVX-512 VNNI")
+    if not kq_available():
+        pytest.skip("no KQx16 kernel here (AVX2 or AVX-512 VNNI)")
     path = FILES / f"tiny-{name}.gguf"
     reference = {t.name: dequantized(t) for t in GGUFReader(path).tensors}
     parts = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
@@ -108,14 +108,13 @@ def test_expert_tensors_are_read_expert_by_expert(name: str) -> None:
 
 def test_the_engine_reads_every_quantized_tensor_packed() -> None:
     """Never through a float copy: each K-quant tensor becomes a KQx16 weight of its type
-    (where the kernel runs: AVX-512 VNNI)."""
+    (where the kernel runs: AVX2, or AVX-512 VNNI)."""
     from common.models.quant.gguf import GgufCheckpoint
-    from common.models.quant.linear import x16_available
     from common.models.quant.weights import Q4Weight, Q8Weight
-    from kernels.cpu.kquant import KQx16
+    from kernels.cpu.kquant import KQx16, kq_available
 
-    if not x16_available():
-        pytest.skip("the KQx16 kernel needs AVX-512 VNNI")
+    if not kq_available():
+        pytest.skip("no KQx16 kernel here (AVX2 or AVX-512 VNNI)")
     for preset in NAMES:
         path = FILES / f"tiny-{preset}.gguf"
         for tensor in GgufCheckpoint(path).tensors():
