@@ -131,6 +131,22 @@ def test_packed_matmul_matches_float64_reference(
     print(f"{kind} G={group} K={k} a{act_bits}: max error / max|ref| = {worst:.2e}")
 
 
+@pytest.mark.parametrize("group", [32, 64, ROW])
+def test_a_lone_int8_row_gives_the_bits_it_gives_in_a_batch(group: int | str) -> None:
+    """One row of 8-bit codes against Q8 weights takes the weight rows two at a time (a
+    decode step's head); the sums are the batch tiles' in the same order, so the row's
+    outputs are the bits it gets beside other rows, odd N's last row included."""
+    gen = torch.Generator().manual_seed(11)
+    for k in (64, 576):
+        if group != ROW and k % int(group):
+            continue
+        w = make_weight("q8", 37, k, group, gen)
+        x = torch.randn(3, k, generator=gen) * 3
+        batch = packed_matmul(x, w, 8)
+        for i in range(3):
+            assert torch.equal(packed_matmul(x[i : i + 1].contiguous(), w, 8), batch[i : i + 1]), (k, i)
+
+
 @pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_zero_and_mixed_magnitude_sub_blocks(kind: str, act_bits: int) -> None:
