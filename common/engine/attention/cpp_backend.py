@@ -25,9 +25,10 @@ exp accurate to about 2e-7), which is why ``auto`` picks this backend only for q
 weights, where transformers' exact numerics are not the reference anyway, and the torch
 backend stays the bit-exact path for float weights. A float16 or bfloat16 KV cache
 (``--kv-dtype float16``: half the bytes of float32, as llama.cpp keeps its cache) is written
-rounded to nearest even, as torch's ``.to()`` rounds, and read exactly by the AVX-512
-attention (``ops.attention_takes`` says where it is built); elsewhere, and for int8 / fp8
-caches and activations other than float32, the torch backend's ops serve.
+rounded to nearest even, as torch's ``.to()`` rounds, and widened exactly as the C++
+attention reads it (the AVX-512 path or ops.cpp's AVX2 one; ``ops.attention_takes`` says
+which caches the build takes); for int8 / fp8 caches and activations other than float32,
+the torch backend's ops serve.
 """
 
 from __future__ import annotations

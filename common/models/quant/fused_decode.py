@@ -11,8 +11,8 @@ its hidden states are bit for bit that path's (tests/kernels/test_fused_decode.p
 
 It applies to steps whose every sequence decodes one token (prefill chunks take the Python
 path) in models whose layers are all dense, with single-part projections on the C++ kernels,
-the cpp attention backend and a KV cache its kernels take (float32; float16 or bfloat16 where
-the AVX-512 attention is built); ``build`` returns None otherwise, and the model keeps the
+the cpp attention backend and a KV cache its kernels take (float32, float16 or bfloat16; not
+int8 / fp8); ``build`` returns None otherwise, and the model keeps the
 Python path for every step.
 """
 
