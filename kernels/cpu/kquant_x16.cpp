@@ -102,6 +102,13 @@ void each_tile(int rows, int64_t j0, int64_t j1, const Tile& tile) {
 #undef PDSERVE_TILE
 }
 
+// The quad order of the 8-bit activation paths (both builds) for low planes of width LO:
+// quad q holds pairs P and P2 (see "The 8-bit activation path" below).
+constexpr int quad_pair(int lo_w, int q) {
+  const int per = 16 / lo_w, half = per / 2;
+  return (q / half) * per + q % half;
+}
+
 #ifdef PDSERVE_KQ16
 
 inline __m512i pair_of(const int16_t* p) {  // (p[0], p[1]) in every 32-bit lane
@@ -403,12 +410,6 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
 // they lie 8 bits apart (8-bit codes), else two shifts and a blend. Per group g of sub-block
 // b, in float32: acc += dx_b * (S_g * (d * sc) + sign * (dmin * m) * C_g), where S_g is the
 // exact int32 sum of (u - bias) x and C_g the sum of x's codes over the group.
-
-// The quad order for low planes of width LO: quad q holds pairs P and P2.
-constexpr int quad_pair(int lo_w, int q) {
-  const int per = 16 / lo_w, half = per / 2;
-  return (q / half) * per + q % half;
-}
 
 template <int S>
 inline __m512i shift16(__m512i v) {  // left by S bits (right when S < 0), per 16-bit word
@@ -911,15 +912,10 @@ inline __m256i shift16_8(__m256i v) {  // left by S bits (right when S < 0), per
   return v;
 }
 
-constexpr int quad_pair8(int lo_w, int q) {  // kquant's quad order (quad_pair)
-  const int per = 16 / lo_w, half = per / 2;
-  return (q / half) * per + q % half;
-}
-
 template <int LO, int HI, int Q>
 inline __m256i quad_bits8(const __m256i* lo, const __m256i* hi) {
   constexpr int per = 16 / LO, half = per / 2;
-  constexpr int P = quad_pair8(LO, Q), P2 = P + half;
+  constexpr int P = quad_pair(LO, Q), P2 = P + half;
   constexpr int lo_mask = (1 << LO) - 1;
   const __m256i low = _mm256_and_si256(shift16_8<-LO * (P % per)>(lo[P / per]),
                                        _mm256_set1_epi16(static_cast<int16_t>(lo_mask * 0x101)));
@@ -951,7 +947,7 @@ inline void spread_q5_8(__m256i h, __m256i* out) {
 
 template <int Q>
 inline __m256i quad_bits_q5_8(const __m256i* lo, const __m256i* spread) {
-  constexpr int P = quad_pair8(4, Q);
+  constexpr int P = quad_pair(4, Q);
   const __m256i low = _mm256_and_si256(shift16_8<-4 * (P % 4)>(lo[P / 4]), _mm256_set1_epi16(0x0F0F));
   const __m256i high = shift16_8<4 - P % 8>(spread[P / 8]);
   return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi16(0x1010)));
@@ -973,7 +969,7 @@ inline void spread_q6_8(const __m256i* hi, __m256i* out) {
 
 template <int Q>
 inline __m256i quad_bits_q6_8(const __m256i* lo, const __m256i* spread) {
-  constexpr int P = quad_pair8(4, Q);
+  constexpr int P = quad_pair(4, Q);
   const __m256i low = _mm256_and_si256(shift16_8<-4 * (P % 4)>(lo[P / 4]), _mm256_set1_epi16(0x0F0F));
   const __m256i high = shift16_8<4 - 2 * (P % 4)>(spread[2 * (P / 8) + (P % 8) / 4]);
   return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi16(0x3030)));

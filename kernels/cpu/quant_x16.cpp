@@ -119,6 +119,17 @@ inline __m256i quad_order(__m256i codes, int order) {
                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   return _mm256_shuffle_epi8(codes, indices);
 }
+
+// x8_quantize_rows' arguments checked and its vectors sized (both builds' versions).
+pdserve_cpu::RowCodes8 x8_codes_sized(int64_t M, int64_t K, int64_t G, int order) {
+  TORCH_CHECK(order == 2 || order == 4 || order == 8, "quad order 2, 4 or 8, got ", order);
+  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "int8 codes: K a multiple of 32, G 16 or 32");
+  pdserve_cpu::RowCodes8 q;
+  q.quads.resize(M * K / 4);
+  q.dx.resize(M * (K / kSub));
+  q.csum.resize(M * (K / G));
+  return q;
+}
 #endif
 
 #ifdef PDSERVE_X16
@@ -191,13 +202,8 @@ namespace pdserve_cpu {
 
 RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int order,
                            bool int8_tokens) {
-  TORCH_CHECK(order == 2 || order == 4 || order == 8, "quad order 2, 4 or 8, got ", order);
-  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "int8 codes: K a multiple of 32, G 16 or 32");
-  RowCodes8 q;
+  RowCodes8 q = x8_codes_sized(M, K, G, order);
   const int64_t num_sub = K / kSub, groups = K / G;
-  q.quads.resize(M * K / 4);
-  q.dx.resize(M * num_sub);
-  q.csum.resize(M * groups);
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
     float row_scale = 0.f;
@@ -752,13 +758,8 @@ namespace pdserve_cpu {
 // through int16, clamp as one), so the codes, steps and sums are the same numbers.
 RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int order,
                            bool int8_tokens) {
-  TORCH_CHECK(order == 2 || order == 4 || order == 8, "quad order 2, 4 or 8, got ", order);
-  TORCH_CHECK((G == 16 || G == 32) && K % 32 == 0, "int8 codes: K a multiple of 32, G 16 or 32");
-  RowCodes8 q;
+  RowCodes8 q = x8_codes_sized(M, K, G, order);
   const int64_t num_sub = K / kSub, groups = K / G;
-  q.quads.resize(M * K / 4);
-  q.dx.resize(M * num_sub);
-  q.csum.resize(M * groups);
   // packs_epi32 then packs_epi16 leave each 128-bit lane's dwords interleaved: back in order.
   const __m256i unmix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
