@@ -316,10 +316,9 @@ def kq_available() -> bool:
 
 def kq_x16_matmul(x: torch.Tensor, w: KQx16, act_bits: int = 16) -> torch.Tensor:
     """x [M, K] float32 @ w [N, K]^T -> [M, N] float32 (kquant_x16.cpp). ``act_bits`` 8
-    codes x in int8 per 32 values (llama.cpp's activations): with AVX-512 VNNI for every
-    type, on the AVX2 path for codes of up to 6 bits (every GGUF type; 8-bit integer codes
-    keep int16 x there); a W8A8 weight's ``int8_tokens`` take the int8 path where it is
-    built for its codes."""
+    codes x in int8 per 32 values (llama.cpp's activations), with AVX-512 VNNI or on the AVX2
+    path, the same floats on both; a W8A8 weight's ``int8_tokens`` take the int8 path
+    whatever ``act_bits`` says."""
     from kernels.cpu import load
 
     _, widths, group, block = kq_layout(w.type_name)
@@ -335,6 +334,6 @@ def kq_x16_matmul(x: torch.Tensor, w: KQx16, act_bits: int = 16) -> torch.Tensor
 
 def kq_int8_available() -> bool:
     """Whether the KQx16 kernels code activations in int8 here when asked (act_bits 8): with
-    AVX-512 VNNI, and on the AVX2 path for codes of up to 6 bits (every GGUF type)."""
+    AVX-512 VNNI and on the AVX2 path, every type."""
     return kq_available()
 

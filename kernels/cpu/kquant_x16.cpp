@@ -894,16 +894,17 @@ RowsFn rows_fn(int lo_w, int hi_w, int64_t group) {
 }
 
 
-// The 8-bit activation path on AVX2 (act_bits 8, codes of at most 6 bits: every GGUF type
-// this kernel reads): x in int8 codes per sub-block of 32 as the AVX-512 path codes them
+// The 8-bit activation path on AVX2 (act_bits 8, or int8_tokens): x in int8 codes per sub-block of 32 as the AVX-512 path codes them
 // (x8_quantize_rows, quant_x16.cpp's AVX2 build), weights unpacked into quads as there
 // (quad_bits, above the AVX-512 path: bytes u[2P], u[2P2], u[2P + 1], u[2P2 + 1] per lane,
 // ANDs and ORs where that path has vpternlogd). vpmaddubsw multiplies the unsigned codes by
 // the signed x codes and adds pairs into int16; a run of such products still adds up in
 // int16 exactly (at most 32767 / (255 x 2^B) quads for codes of B bits: a product pair is at
 // most (2^B - 1) x 128 x 2), and one vpmaddwd by ones widens each run into the int32 sum. A
-// half of an n-block's sub-block is unpacked once for all the tile's rows. Per group the
-// float work is kq_tile_i8's, in its order: the same floats as the AVX-512 path.
+// half of an n-block's sub-block is unpacked once for all the tile's rows. 8-bit codes
+// (W8: two 4-bit planes) would overflow the pairs: each plane goes as 4-bit codes, the high
+// plane's sums widened by a vpmaddwd by 16s (u = 16 h + l, exactly). Per group the float
+// work is kq_tile_i8's, in its order: the same floats as the AVX-512 path.
 
 template <int S>
 inline __m256i shift16_8(__m256i v) {  // left by S bits (right when S < 0), per 16-bit word
@@ -982,16 +983,19 @@ constexpr int int16_run(int bits) { return 32767 / (((1 << bits) - 1) * 256); }
 template <int LO, int HI, int G, int R>
 void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j,
                    const Dims& dims, float* out) {
+  // 8-bit codes (4 + 4): each nibble plane as 4-bit codes, the high one's sums weighted by
+  // 16 in the widening vpmaddwd (exact: u = 16 h + l).
+  constexpr bool kW8 = LO == 4 && HI == 4;
   constexpr int groups_per_sub = static_cast<int>(kSub / G), quads_per_group = 8 / groups_per_sub;
-  constexpr int run = std::min(int16_run(LO + HI), quads_per_group);
+  constexpr int run = std::min(int16_run(kW8 ? 4 : LO + HI), quads_per_group);
   static_assert(run >= 1, "codes too wide for int16 runs");
   const int64_t num_sub = dims.num_sub(), groups = dims.K / G, blocks = dims.K / w.L;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_sub; ++b) {
     for (int e = 0; e < 2; ++e) {
-      __m256i v[8];
+      __m256i v[8], vh[kW8 ? 8 : 1];
       {
         __m256i lo[LO], hi[HI > 0 ? HI : 1], spread[4];
         const uint8_t* lp = w.lo + (j * num_sub + b) * LO * 64 + e * 32;
@@ -1007,6 +1011,9 @@ void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t 
             ((v[Q] = quad_bits_q5_8<Q>(lo, spread)), ...);
           } else if constexpr (LO == 4 && HI == 2) {
             ((v[Q] = quad_bits_q6_8<Q>(lo, spread)), ...);
+          } else if constexpr (kW8) {
+            ((v[Q] = quad_bits8<4, 0, Q>(lo, hi)), ...);
+            ((vh[Q] = quad_bits8<4, 0, Q>(hi, hi)), ...);
           } else {
             ((v[Q] = quad_bits8<LO, HI, Q>(lo, hi)), ...);
           }
@@ -1029,6 +1036,13 @@ void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t 
             for (int Q = Q0 + 1; Q < Q0 + run; ++Q)
               p = _mm256_add_epi16(p, _mm256_maddubs_epi16(v[Q], _mm256_set1_epi32(xq[Q])));
             s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            if constexpr (kW8) {
+              __m256i ph = _mm256_maddubs_epi16(vh[Q0], _mm256_set1_epi32(xq[Q0]));
+#pragma GCC unroll 8
+              for (int Q = Q0 + 1; Q < Q0 + run; ++Q)
+                ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(vh[Q], _mm256_set1_epi32(xq[Q])));
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(ph, sixteens));
+            }
           }
           const int32_t c = qx.csum[(m0 + r) * groups + g];
           if (w.bias != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(w.bias * c));
@@ -1076,7 +1090,8 @@ RowsI8Fn8 rows_i8_fn8(int lo_w, int hi_w, int64_t group) {
   if (lo_w == 4 && hi_w == 0 && group == 32) return kq_rows_i8_8<4, 0, 32>;
   if (lo_w == 4 && hi_w == 1 && group == 32) return kq_rows_i8_8<4, 1, 32>;
   if (lo_w == 4 && hi_w == 2 && group == 16) return kq_rows_i8_8<4, 2, 16>;
-  return nullptr;  // 8-bit codes (4 + 4) keep int16 x: their products overflow vpmaddubsw
+  if (lo_w == 4 && hi_w == 4 && group == 32) return kq_rows_i8_8<4, 4, 32>;
+  return nullptr;
 }
 
 #endif  // PDSERVE_KQ8
@@ -1188,7 +1203,7 @@ torch::Tensor kq_x16_matmul(const torch::Tensor& x, const torch::Tensor& lo_plan
   }
 #endif
 #ifdef PDSERVE_KQ8
-  if (act_bits == 8 || int8_tokens) {  // 8-bit weights (W8A8) stay below: their products overflow
+  if (act_bits == 8 || int8_tokens) {  // the same codes either way for int8 tokens
     const RowsI8Fn8 run8 = rows_i8_fn8(w.lo_w, hi_w, group_size);
     if (run8 != nullptr) {
       const RowCodes8 q8 = x8_quantize_rows(x.data_ptr<float>(), dims.M, dims.K, group_size,

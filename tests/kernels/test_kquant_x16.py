@@ -130,6 +130,32 @@ def test_int8_activations_multiply_exactly_their_codes(type_name: str) -> None:
             assert torch.equal(alone, out[-1:])
 
 
+@pytest.mark.skipif(not kq_int8_available(), reason="no int8 activation path here")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_codes_multiply_exactly_their_int8_codes(bits: int) -> None:
+    """GPTQ / compressed-tensors integer codes (W4, and W8 whose 8-bit codes take each
+    nibble plane apart on AVX2) with 8-bit activations: the float64 product of x's int8
+    codes and the weights, to float32 slack, each row alone the same bits."""
+    from kernels.cpu.kquant import affine_type
+
+    gen = torch.Generator().manual_seed(bits)
+    n, k = 48, 256
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.int16).to(torch.uint8)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3
+    # symmetric codes (GPTQ's sym, W8A8): the code bias 2^(bits - 1), no min term
+    w = KQx16.pack(affine_type(bits, 32), codes, scale, torch.ones(n, k // 32), None, None,
+                   2 ** (bits - 1), -1.0)  # fmt: skip
+    dense = w.dequantize().double()
+    for m in (1, 3, 9, 16):
+        x = torch.randn(m, k, generator=gen) * 3
+        out = kq_x16_matmul(x, w, act_bits=8).double()
+        xq = int8_codes(x)
+        magnitude = xq.abs() @ dense.abs().t()
+        assert bool(((out - xq @ dense.t()).abs() <= 2e-6 * magnitude + 1e-30).all()), (bits, m)
+        alone = kq_x16_matmul(x[-1:].contiguous(), w, act_bits=8).double()
+        assert torch.equal(alone, out[-1:])
+
+
 def test_a_file_tensor_multiplies_as_its_dequantized_weights() -> None:
     from pathlib import Path
 

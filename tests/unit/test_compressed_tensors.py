@@ -26,7 +26,7 @@ from common.models.quant.fp8 import Fp8Weight
 from common.models.quant.weights import Q4Weight, Q8Weight
 from kernels.cpu import available
 from kernels.cpu import quant as cpu_quant
-from kernels.cpu.kquant import KQx16, affine_type, kq_x16_matmul
+from kernels.cpu.kquant import KQx16, affine_type, kq_available, kq_x16_matmul
 
 SCHEMES = [
     "llama-w4a16", "llama-w4a16-asym", "llama-w4a16-g32-actorder", "llama-w4a16-channel",
@@ -37,9 +37,9 @@ SCHEMES = [
     "llama_bf16-w4a16", "llama_bf16-w8a16",
 ]  # fmt: skip
 
-needs_x16 = pytest.mark.skipif(
-    not available() or not cpu_quant.has_x16(),
-    reason="the integer-code kernels need AVX-512 VNNI (the AVX2 path is not written yet)",
+needs_kq = pytest.mark.skipif(
+    not available() or not kq_available(),
+    reason="no KQx16 kernels here (AVX2, or AVX-512 VNNI)",
 )
 
 
@@ -156,7 +156,7 @@ def test_act_order_columns_are_permuted_and_restored() -> None:
         _act_order("t", bad, k, group)
 
 
-@needs_x16
+@needs_kq
 def test_w8a8_activations_are_int8_per_token_as_the_library_makes_them() -> None:
     """The kernel's int8 codes per token are compressed-tensors' (scale max|x| / 127.5,
     round half to even): its output is the integer product of those codes, scaled."""
