@@ -35,14 +35,8 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 #ifdef PDSERVE_AVX2
 
+using pdserve_cpu::hmax;
 using pdserve_cpu::hsum;
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for exactness),
 // exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n
@@ -223,6 +217,23 @@ pdserve_cpu::KvElement check_kv_caches(const torch::Tensor& k_cache, const torch
                                     : pdserve_cpu::KvElement::kFloat;
 }
 
+// f(k, v) with the caches' data as pointers to their element type (float, at::Half or
+// at::BFloat16).
+template <typename F>
+void with_cache_elements(pdserve_cpu::KvElement element, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, F&& f) {
+  switch (element) {
+    case pdserve_cpu::KvElement::kHalf:
+      f(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+      break;
+    case pdserve_cpu::KvElement::kBFloat16:
+      f(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+      break;
+    default:
+      f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
+}
+
 template <typename T>
 void store_row(const float* from, int64_t n, T* to) {
   if constexpr (std::is_same_v<T, float>) {
@@ -270,16 +281,7 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
       store_row(vp + i * v.stride(0), row, vc + sp[i] * row);
     }
   };
-  switch (element) {
-    case pdserve_cpu::KvElement::kHalf:
-      write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
-      break;
-    case pdserve_cpu::KvElement::kBFloat16:
-      write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-      break;
-    default:
-      write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  }
+  with_cache_elements(element, k_cache, v_cache, write);
 }
 
 }  // namespace pdserve_cpu
@@ -584,16 +586,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     attend_rows(qp, q.stride(0), b, hq, hkv, d, kc, vc, shift, tables, m, lens, longest,
                 fscale, window, op);
   };
-  switch (element) {
-    case pdserve_cpu::KvElement::kHalf:
-      attend(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
-      break;
-    case pdserve_cpu::KvElement::kBFloat16:
-      attend(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-      break;
-    default:
-      attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  }
+  with_cache_elements(element, k_cache, v_cache, attend);
   return out;
 }
 

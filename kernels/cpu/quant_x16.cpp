@@ -741,12 +741,6 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
 #ifdef PDSERVE_X8_AVX2
 namespace {
 
-inline float max_of(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 inline __m256 abs_of(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 
 }  // namespace
@@ -769,7 +763,7 @@ RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int 
     if (int8_tokens) {
       __m256 top = _mm256_setzero_ps();
       for (int64_t k = 0; k < K; k += 8) top = _mm256_max_ps(top, abs_of(_mm256_loadu_ps(row + k)));
-      row_scale = max_of(top) / 127.5f;
+      row_scale = pdserve_cpu::hmax(top) / 127.5f;
       if (row_scale == 0.f) row_scale = FLT_EPSILON;
     }
     for (int64_t b = 0; b < num_sub; ++b) {
@@ -782,8 +776,9 @@ RowCodes8 x8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int 
         const __m256 s = _mm256_set1_ps(step);
         for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], s));
       } else {
-        const float absmax = max_of(_mm256_max_ps(_mm256_max_ps(abs_of(v[0]), abs_of(v[1])),
-                                                  _mm256_max_ps(abs_of(v[2]), abs_of(v[3]))));
+        const float absmax =
+            pdserve_cpu::hmax(_mm256_max_ps(_mm256_max_ps(abs_of(v[0]), abs_of(v[1])),
+                                            _mm256_max_ps(abs_of(v[2]), abs_of(v[3]))));
         step = absmax / 127.f;
         const __m256 inv = _mm256_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
         for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
