@@ -1,5 +1,5 @@
-"""The KQx16 layout: GGUF's K-quants (and Q5_0 / Q5_1) packed for 16-lane kernels, at their
-own bit widths.
+"""The KQx16 layout: GGUF's K-quants (and Q5_0 / Q5_1; on AVX2, Q4_0 / Q4_1 / Q8_0 too) packed
+for 16-lane kernels, at their own bit widths.
 
 # N = output features (weight rows), K = input features, NB = N / 16, SB = K / 32,
 # G = group size (16 or 32), L = the type's block of float scales (256, or 32 for Q5_0/1)
@@ -45,6 +45,13 @@ KQ_LAYOUTS: dict[str, tuple[int, tuple[int, ...], int, int]] = {
     "Q6_K": (6, (4, 2), 16, 256),
     "Q5_0": (5, (4, 1), 32, 32),
     "Q5_1": (5, (4, 1), 32, 32),
+    # The non-K types in groups of 32, for CPUs without the x16 kernels (AVX2): a Q4 / Q8
+    # weight read from a file (or quantized here) takes this layout there when x is coded
+    # in int8 (``Q4Weight.to_kq_x16``, common/models/quant/weights.py). Q4_0: bias 8, no
+    # min; Q4_1: the min term with m 1 and sign +1; Q8_0: the int8 code plus 128, bias 128.
+    "Q4_0": (4, (4,), 32, 32),
+    "Q4_1": (4, (4,), 32, 32),
+    "Q8_0": (8, (4, 4), 32, 32),
 }
 
 # The integer codes of GPTQ, AWQ and compressed-tensors checkpoints: "W{bits}G{L}", codes of

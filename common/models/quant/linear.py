@@ -40,7 +40,7 @@ from common.models.quant.fp8 import Fp8Weight
 from common.models.quant.half import HalfWeight
 from common.models.quant.weights import Q4Weight, Q8Weight, QuantWeight
 from kernels.cpu import quant as cpu_quant
-from kernels.cpu.kquant import KQx16, kq_x16_matmul
+from kernels.cpu.kquant import KQx16, kq_available, kq_x16_matmul
 
 KERNELS = ("cpp", "torch")
 
@@ -190,17 +190,29 @@ def x16_available() -> bool:
 
 
 def kernel_layout(weight: QuantWeight, compute: QuantCompute) -> QuantWeight:
-    """``weight`` in the layout its kernel reads: x16 where those kernels are built and the
-    rows come in sixteens (a 2-D weight), else as is."""
+    """``weight`` in the layout its kernel reads, for a 2-D weight whose rows come in
+    sixteens: x16 where those kernels are built; else, with x coded in int8 and groups of 32,
+    KQx16 (whose AVX2 path multiplies int8 codes: one row through 30 Llama-shaped layers of
+    Q8_0 in 5.0 ms against the rows kernel's 6.8, Q4_0 2.7-3.7 against 4.0-4.6, 16 rows
+    1.2-1.6x faster; with int16 codes the rows kernels are as fast or faster, and keep
+    them); else as is."""
     if (
-        compute.kernel == "cpp"
-        and weight.layout == "rows"
-        and weight.qweight.dim() == 2
-        and weight.shape[0] % 16 == 0
-        and weight.shape[1] % 32 == 0
-        and x16_available()
+        compute.kernel != "cpp"
+        or weight.layout != "rows"
+        or weight.qweight.dim() != 2
+        or weight.shape[0] % 16
+        or weight.shape[1] % 32
     ):
+        return weight
+    if x16_available():
         return weight.to_x16()
+    if (
+        isinstance(weight, Q4Weight | Q8Weight)
+        and compute.act_bits == 8
+        and weight.group_size == 32
+        and kq_available()
+    ):
+        return weight.to_kq_x16()
     return weight
 
 

@@ -13,7 +13,9 @@ dimensions: ``weight[e]`` is expert e's [N, K] weight.
 weights are loaded, quantized, sliced and fused) or ``x16`` (16 rows interleaved for the
 AVX-512 kernels, kernels/cpu/quant_x16.cpp; 2-D only, N a multiple of 16). ``to_x16`` /
 ``to_rows`` convert exactly; a weight in the x16 layout serves matmuls, dequantization and
-row lookups (``lookup``), nothing else.
+row lookups (``lookup``), nothing else. Where those kernels are not built (AVX2), a weight in
+groups of 32 goes instead into the KQx16 layout (``to_kq_x16``, kernels/cpu/kquant.py), whose
+AVX2 path multiplies int8 activation codes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kernels.cpu.quant import (
     pack_q4_x16,
     pack_q8_x16,
     q8x16_rows,
+    unpack_q4_codes,
     unpack_q4_x16,
     unpack_q8_x16,
 )
@@ -73,6 +76,18 @@ class Q4Weight:
         if self.layout == "rows":
             return self
         return Q4Weight(*unpack_q4_x16(self.qweight, self.scales, self.mins), self.group_size)
+
+    def to_kq_x16(self) -> KQx16:
+        """The same weights in the KQx16 layout (groups of 32 only), exactly: Q4_0 where
+        every min is -8 times its scale (a Q4_0 file's blocks), else Q4_1."""
+        assert self.layout == "rows" and self.qweight.dim() == 2, (self.layout, self.qweight.shape)
+        assert self.group_size == SUB_BLOCK, self.group_size
+        codes = unpack_q4_codes(self.qweight)
+        ones = torch.ones(self.scales.shape, dtype=torch.int16)
+        d, mins = self.scales.float(), self.mins.float()
+        if torch.equal(mins, d * -8):
+            return KQx16.pack("Q4_0", codes, d, ones, None, None, 8, 1.0)
+        return KQx16.pack("Q4_1", codes, d, ones, mins, ones, 0, 1.0)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup)."""
@@ -173,6 +188,15 @@ class Q8Weight:
         if self.layout == "rows":
             return self
         return Q8Weight(*unpack_q8_x16(self.qweight, self.scales), self.group_size)
+
+    def to_kq_x16(self) -> KQx16:
+        """The same weights in the KQx16 layout (groups of 32 only), exactly: Q8_0, each
+        code plus 128 with bias 128."""
+        assert self.layout == "rows" and self.qweight.dim() == 2, (self.layout, self.qweight.shape)
+        assert self.group_size == SUB_BLOCK, self.group_size
+        codes = (self.qweight.to(torch.int16) + 128).to(torch.uint8)
+        ones = torch.ones(self.scales.shape, dtype=torch.int16)
+        return KQx16.pack("Q8_0", codes, self.scales.float(), ones, None, None, 128, 1.0)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] dequantized, float32 [T, K] (an embedding table's lookup)."""
