@@ -72,7 +72,11 @@ def target_flags() -> list[str]:
         if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
             avx512 = ["-march=x86-64-v3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
             # vdpbf16ps for a bfloat16 head (fp8_matmul.cpp)
-            return avx512 + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
+            bf16 = ["-mavx512bf16"] if "avx512_bf16" in flags else []
+            # AMX's int8 tiles for 16-row tiles (quant_x16.cpp); taken at run time only when
+            # the kernel grants the tile state (kernels.h amx_on)
+            amx = ["-mamx-tile", "-mamx-int8"] if {"amx_tile", "amx_int8"} <= flags else []
+            return avx512 + bf16 + amx
         if {"avx2", "fma", "f16c", "avx512vl", "avx512_vnni"} <= flags:
             return ["-march=x86-64-v3", "-mavx512vl", "-mavx512vnni"]
         if {"avx2", "fma", "f16c"} <= flags:

@@ -15,7 +15,34 @@
 #include <immintrin.h>
 #endif
 
+// Intel AMX (tiles and their int8 dot products) where the compiler targets it (kernels/cpu/
+// __init__.py adds -mamx-tile -mamx-int8 on a CPU that lists both); whether the kernels take
+// it is amx_on(), at run time.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PDSERVE_AMX 1
+#endif
+
 namespace pdserve_cpu {
+
+// Whether the int8 wide tiles of 16 rows run on AMX: compiled in, the kernel let this process
+// use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), PDSERVE_AMX is not 0
+// and set_amx did not turn it off. Both paths give the same bits (the tile's int32 sums are the
+// vector path's; the float work after them is the same).
+bool amx_on();
+bool amx_available();
+void set_amx(bool on);
+
+#ifdef PDSERVE_AMX
+// LDTILECFG's 64-byte operand, palette 1: tile t is rows[t] rows of colsb[t] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
 
 #if defined(__AVX2__)
 // The sum of a vector's 8 lanes.

@@ -216,6 +216,19 @@ def has_x16() -> bool:
     return bool(load().has_x16())
 
 
+def amx_available() -> bool:
+    """Whether AMX's int8 tiles were compiled in (a CPU listing amx_tile and amx_int8) and
+    Linux let this process use them; then the x16 kernels' 8-bit tiles of 16 rows run on them
+    (the same bits as the AVX-512 path)."""
+    return bool(load().amx_available())
+
+
+def set_amx(on: bool) -> None:
+    """Turns the AMX tiles on or off in this process (PDSERVE_AMX=0 starts it off), to compare
+    the two paths; results are the same either way."""
+    load().set_amx(on)
+
+
 def q4x16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,

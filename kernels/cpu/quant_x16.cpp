@@ -39,11 +39,19 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#ifdef PDSERVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
@@ -628,6 +636,122 @@ void x16_wide_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * d.N + j * kLanes, acc[r]);
 }
 
+#ifdef PDSERVE_AMX
+// x16_wide_i8's 16-row tiles on AMX, for n-blocks [j0, j1): a sub-block's 8 unsigned code
+// vectors, made as there, are stored as a tile B of 8 rows (quad c of 16 columns, 4 bytes a
+// column: the layout of vpdpbusd's operand is the layout AMX's B takes), the 16 rows' codes
+// of the sub-block as tile A (wide_rows lays each row's 8 quads out in 32 bytes), and one
+// TDPBSUD (signed x, unsigned codes) makes the 16 x 16 int32 sums that 128 vpdpbusd make
+// there. The sums are the same integers (Q8's start added after: integer addition), and each
+// row's float work is x16_wide_i8's, in the same order: the same bits.
+//
+// NJ (1-3) n-blocks a pass share tile A (0): their B tiles are 1..NJ, their C tiles 4..3+NJ,
+// so the NJ products are independent work for the tile unit; the accumulators live in
+// memory (48 vectors would not fit in registers).
+template <bool Q4>
+inline void amx_unpack(const uint8_t* wb, uint8_t* codes) {
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  // word 2i of the result: word i of the first chunk; word 2i + 1: word i of the second
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // fmt: skip
+  const __m512i top_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < (Q4 ? 4 : 8); ++c) {
+    const __m512i w = _mm512_loadu_si512(wb + c * 64);
+    if constexpr (Q4) {
+      _mm512_store_si512(codes + 2 * c * 64, _mm512_and_si512(w, nibbles));
+      _mm512_store_si512(codes + (2 * c + 1) * 64,
+                         _mm512_and_si512(_mm512_srli_epi16(w, 4), nibbles));
+    } else {
+      _mm512_store_si512(codes + c * 64,
+                         _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, w), top_bits));
+    }
+  }
+}
+
+template <bool Q4, int NJ>
+void x16_wide_i8_amx_pass(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
+                          const pdserve_cpu::WideRows& wr, int64_t tile, int64_t j,
+                          const Dims16& d, float* out) {
+  constexpr int R = 16;
+  const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
+  constexpr int64_t sub_bytes = Q4 ? 256 : 512;
+  const int64_t block_stride = num_sub * sub_bytes;
+  const int64_t subs_per_group = d.G / kSub;
+  const bool per_row = d.G == d.K;
+  const int32_t* xq = wr.quads.data() + tile * num_sub * R * 8;
+  const int32_t* start = wr.start.data() + tile * num_sub * R;
+  const float* csum = wr.csum.data() + tile * num_sub * R;
+  const float* dx = wr.dx.data() + tile * num_sub * R;
+  alignas(64) uint8_t codes[NJ][8 * 64];
+  alignas(64) int32_t sums[NJ][R * kLanes];
+  alignas(64) float acc[NJ][R * kLanes] = {};
+  for (int64_t b = 0; b < num_sub; ++b) {
+    for (int q = 0; q < NJ; ++q) amx_unpack<Q4>(qw + (j + q) * block_stride + b * sub_bytes, codes[q]);
+    // (GCC's tile intrinsics paste the tile's number into the assembly: literals only)
+    _tile_loadd(0, xq + b * R * 8, kSub);
+    _tile_loadd(1, codes[0], 64);
+    _tile_zero(4);
+    _tile_dpbsud(4, 0, 1);
+    if constexpr (NJ > 1) {
+      _tile_loadd(2, codes[1], 64);
+      _tile_zero(5);
+      _tile_dpbsud(5, 0, 2);
+    }
+    if constexpr (NJ > 2) {
+      _tile_loadd(3, codes[2], 64);
+      _tile_zero(6);
+      _tile_dpbsud(6, 0, 3);
+    }
+    _tile_stored(4, sums[0], 64);
+    if constexpr (NJ > 1) _tile_stored(5, sums[1], 64);
+    if constexpr (NJ > 2) _tile_stored(6, sums[2], 64);
+    const int64_t g = per_row ? 0 : b / subs_per_group;
+    for (int q = 0; q < NJ; ++q) {
+      const int64_t at = ((j + q) * num_groups + g) * kLanes;
+      const __m512 sv = halves16(scales + at);
+      __m512 mv = _mm512_setzero_ps();
+      if constexpr (Q4) mv = mins16(mins, at, sv);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_load_si512(sums[q] + r * kLanes);
+        if constexpr (!Q4) s = _mm512_add_epi32(s, _mm512_set1_epi32(start[b * R + r]));
+        const __m512 dxr = _mm512_set1_ps(dx[b * R + r]);
+        float* a = acc[q] + r * kLanes;
+        if constexpr (Q4) {
+          const __m512 inner = _mm512_fmadd_ps(mv, _mm512_set1_ps(csum[b * R + r]),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(s), sv));
+          _mm512_store_ps(a, _mm512_fmadd_ps(inner, dxr, _mm512_load_ps(a)));
+        } else {
+          _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sv), dxr,
+                                             _mm512_load_ps(a)));
+        }
+      }
+    }
+  }
+  const int64_t m0 = wr.m0 + tile * R;
+  for (int q = 0; q < NJ; ++q)
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j + q) * kLanes, _mm512_load_ps(acc[q] + r * kLanes));
+}
+
+template <bool Q4>
+void x16_wide_i8_amx(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
+                     const pdserve_cpu::WideRows& wr, int64_t tile, int64_t j0, int64_t j1,
+                     const Dims16& d, float* out) {
+  pdserve_cpu::TileConfig config;
+  config.rows[0] = 16, config.colsb[0] = kSub;  // A: the rows' codes
+  for (int t = 1; t <= 3; ++t) config.rows[t] = 8, config.colsb[t] = 64;  // B: 8 quads of 16 columns
+  for (int t = 4; t <= 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;  // C: 16 x 16 int32 sums
+  _tile_loadconfig(&config);
+  int64_t j = j0;
+  for (; j + 3 <= j1; j += 3) x16_wide_i8_amx_pass<Q4, 3>(qw, scales, mins, wr, tile, j, d, out);
+  if (j1 - j == 2) x16_wide_i8_amx_pass<Q4, 2>(qw, scales, mins, wr, tile, j, d, out);
+  if (j1 - j == 1) x16_wide_i8_amx_pass<Q4, 1>(qw, scales, mins, wr, tile, j, d, out);
+  _tile_release();
+}
+#endif  // PDSERVE_AMX
+
 template <bool Q4>
 void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
                  const uint16_t* mins, const pdserve_cpu::RowCodes8& qx, int64_t m0,
@@ -709,10 +833,21 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
     const pdserve_cpu::WideRows wide8 = pdserve_cpu::wide_rows(qx, tiles16 * 16, tiles8, 8, bias, d.K, kSub);
     const int64_t left = d.M - rest;
     const int64_t rest_passes = (left + kMaxTileRows - 1) / kMaxTileRows;
+    const bool amx = pdserve_cpu::amx_on();
     pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
       const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
+#ifdef PDSERVE_AMX
+      if (amx) {
+        for (int64_t t = 0; t < tiles16; ++t) x16_wide_i8_amx<Q4>(qw, sp, mins, wide16, t, j0, j1, d, op);
+      } else {
+        for (int64_t t = 0; t < tiles16; ++t)
+          for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 16>(qw, sp, mins, wide16, t, j, d, op);
+      }
+#else
+      (void)amx;
       for (int64_t t = 0; t < tiles16; ++t)
         for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 16>(qw, sp, mins, wide16, t, j, d, op);
+#endif
       for (int64_t t = 0; t < tiles8; ++t)
         for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 8>(qw, sp, mins, wide8, t, j, d, op);
       for (int64_t p = 0, m0 = rest; p < rest_passes; ++p) {
@@ -850,6 +985,37 @@ RowCodes16 x16_quantize_rows(const float* x, int64_t m, int64_t k, int64_t group
 #endif
 }
 
+namespace {
+
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux hands a process the tile registers' 8 KiB
+// of state only when asked (arch/x86/include/uapi/asm/prctl.h, 0x1023; the feature is 18).
+bool ask_for_tiles() {
+#ifdef PDSERVE_AMX
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& amx_switch() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("PDSERVE_AMX");
+    return env == nullptr || std::string(env) != "0";
+  }()};
+  return on;
+}
+
+}  // namespace
+
+bool amx_available() {
+  static const bool ok = ask_for_tiles();
+  return ok;
+}
+
+bool amx_on() { return amx_switch().load(std::memory_order_relaxed) && amx_available(); }
+
+void set_amx(bool on) { amx_switch().store(on, std::memory_order_relaxed); }
+
 bool has_x16() {
 #ifdef PDSERVE_X16
   return true;
@@ -868,4 +1034,9 @@ void register_quant_x16(pybind11::module& m) {
   m.def("q8x16_matmul", &q8x16_matmul, release(),
         "x [M, K] float32 @ Q8x16 weights [N, K]^T -> [M, N] float32");
   m.def("has_x16", &has_x16, "whether the AVX-512 VNNI x16 kernels were compiled in");
+  m.def("amx_available", &amx_available,
+        "whether AMX tiles were compiled in and this process may use them");
+  m.def("amx_on", &amx_on, "whether the int8 tiles of 16 rows run on AMX now");
+  m.def("set_amx", &set_amx, pybind11::arg("on"),
+        "turn the AMX tiles on or off (the same results either way; for comparisons)");
 }
