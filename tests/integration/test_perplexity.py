@@ -174,10 +174,13 @@ def test_llama_cpp_windows_match_llama_perplexity(
     # variance of the log-probabilities rounds negative). Its log is written by a thread of
     # its own, and here the process has exited (status 0) before the last lines were out:
     # once in CI, once in 16 runs here. A run whose figures are cut off is run again.
+    # --no-repack: llama.cpp's plain CPU kernels. Its repacked layouts (AMX on a Xeon that
+    # has it) died with SIGSEGV on these tiny files on an Intel Xeon with AMX (fourteenth
+    # session, llama.cpp from llama-cpp-python's newest sdist), and differ between machines.
     for _ in range(3):
         done = subprocess.run(
             [str(binary), "-m", str(gguf), "-f", str(path), "-c", str(context), "-t", "2",
-             "--chunks", str(chunks)],
+             "--chunks", str(chunks), "--no-repack"],
             capture_output=True, text=True, timeout=300, check=True,
         )  # fmt: skip
         output = done.stdout + done.stderr
