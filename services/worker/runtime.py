@@ -414,11 +414,12 @@ class WorkerRuntime:
             )
         ]
 
-    def in_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Runs bookkeeping that must not delay or fail a request."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _release_engine_blocks(self, request_id: str) -> None:
         await self.loop.call(lambda e: e.release(request_id))

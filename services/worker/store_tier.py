@@ -72,7 +72,7 @@ class StoreTier:
         config: WorkerConfig,
         layout: KvLayout,
         metrics: WorkerMetrics,
-        in_background: Callable[[Coroutine[Any, Any, Any]], None],
+        in_background: Callable[[Coroutine[Any, Any, Any]], object],
     ) -> None:
         self.config = config
         self.layout = layout

@@ -27,6 +27,10 @@ from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
+# How long a prefill's reply waits for its blocks to reach the prefix index (Redis down or
+# slow: the reply goes on without, and the write finishes in the background).
+PUBLISH_WAIT_S = 0.05
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
@@ -155,9 +159,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         if lease is None:  # the caller released it before it existed: blocks already freed
             raise NotFoundError(f"lease {lease_id!r} was released by the caller; request dropped")
-        runtime.in_background(runtime.sync.publish_blocks(hashes))
+        published = runtime.in_background(runtime.sync.publish_blocks(hashes))
         if stored:
             runtime.in_background(runtime.store.put(hashes[:stored], export.data[:stored]))
+        # The first token reaches the caller once the index knows these blocks (up to a
+        # bound: Redis is advisory), so a request routed after it (an n-copies request's
+        # later copies, a client's next turn) finds them; in the background it raced the
+        # reply and such a request could miss the blocks it was sent after.
+        await asyncio.wait({published}, timeout=PUBLISH_WAIT_S)
         return common_pb2.KvHandle(
             request_id=request_id,
             hash_scheme_version=HASH_SCHEME_VERSION,
