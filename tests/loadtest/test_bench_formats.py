@@ -3,6 +3,11 @@ the llama-bench run beside each round, with its median."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from loadtest import bench_formats
 from loadtest.bench_formats import STREAMS, summarize
 
 
@@ -27,3 +32,23 @@ def test_a_format_without_llama_bench_or_with_a_failed_run_has_no_ratio() -> Non
     row = summarize(rounds(100.0, 120.0), [80.0])  # one llama-bench run failed
     assert row["llama_bench_tg"] == 80.0
     assert "single_x_llama_bench_median" not in row
+
+
+def test_a_crashed_llama_bench_falls_back_to_the_better_run_that_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs: list[list[str]] = []
+
+    def run(binary: Path, gguf: str, tokens: int, threads: int, extra: list[str]) -> float | None:
+        runs.append(extra)
+        return {("-d", "32"): None, ("-d", "32", "--repack", "0"): 76.0, ("-d", "0"): 85.0}[
+            tuple(extra)
+        ]
+
+    monkeypatch.setattr(bench_formats, "_llama_bench_run", run)
+    assert bench_formats.llama_bench(Path("llama-bench"), "m.gguf", 128, 2, 32) == 85.0
+    assert runs[0] == ["-d", "32"]  # the run as built comes first
+    monkeypatch.setattr(bench_formats, "_llama_bench_run", lambda *a: 90.0)
+    assert bench_formats.llama_bench(Path("llama-bench"), "m.gguf", 128, 2, 32) == 90.0
+    monkeypatch.setattr(bench_formats, "_llama_bench_run", lambda *a: None)
+    assert bench_formats.llama_bench(Path("llama-bench"), "m.gguf", 128, 2, 32) is None
