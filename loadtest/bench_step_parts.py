@@ -31,6 +31,13 @@ from common.engine.engine import Engine
 from common.heap import freeze_startup_heap
 from common.models.default_model import resolve_model
 from common.models.quant.linear import QuantLinear
+from kernels.cpu import quant as cpu_quant
+
+# Kernel switches --ab alternates (each gives the same bits on and off).
+SWITCHES: dict[str, Callable[[bool], None]] = {
+    "amx": cpu_quant.set_amx,
+    "row-streams": cpu_quant.set_row_streams,
+}
 
 
 class Timed:
@@ -61,6 +68,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quant-act-bits", type=int, default=8)
     parser.add_argument("--kv-dtype", default="float16")
+    parser.add_argument(
+        "--ab", choices=sorted(SWITCHES), default=None,
+        help="alternate a kernel switch run by run (on, off, on, ...; the same bits either "
+        "way) and give each arm's median step",
+    )  # fmt: skip
     args = parser.parse_args()
 
     engine = Engine(
@@ -81,7 +93,11 @@ def main() -> None:
     rng = random.Random(0)
     print(f"{args.model}: {args.streams} stream(s), {args.prompt}-token prompts, {args.tokens} tokens")
     steps: list[float] = []
+    arms: dict[bool, list[float]] = {True: [], False: []}
     for run in range(args.runs + 1):
+        arm = run % 2 == 1  # the warm-up (run 0) runs off
+        if args.ab:
+            SWITCHES[args.ab](arm)
         for i in range(args.streams):
             prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
             engine.add_request(f"r{run}-{i}", prompt, sampling)
@@ -98,13 +114,20 @@ def main() -> None:
             continue  # warm-up
         step = (time.perf_counter() - start) / num_steps
         steps.append(step)
+        arms[arm].append(step)
         fwd, out = layers.seconds / num_steps, head.seconds / num_steps
+        label = f" ({args.ab} {'on' if arm else 'off'})" if args.ab else ""
         print(
-            f"run {run}: step {step * 1e3:.3f} ms = layers {fwd * 1e3:.3f} + head "
+            f"run {run}{label}: step {step * 1e3:.3f} ms = layers {fwd * 1e3:.3f} + head "
             f"{out * 1e3:.3f} + rest {(step - fwd - out) * 1e3:.3f}; layers' weights at "
             f"{layer_bytes / fwd / 1e9:.1f} GB/s, {args.streams / step:.1f} tok/s"
         )
     print(f"median step {statistics.median(steps) * 1e3:.3f} ms")
+    if args.ab:
+        for arm, done in arms.items():
+            if done:
+                median = statistics.median(done) * 1e3
+                print(f"{args.ab} {'on' if arm else 'off'}: median step {median:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -229,6 +229,12 @@ def set_amx(on: bool) -> None:
     load().set_amx(on)
 
 
+def set_row_streams(on: bool) -> None:
+    """Whether a lone row reads its Q8x16 weights in 4 runs at once (the default) or in one,
+    to compare the two; results are the same bits either way."""
+    load().set_row_streams(on)
+
+
 def q4x16_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,

@@ -73,6 +73,19 @@ constexpr int64_t kLanes = 16;
 // faster per step (loadtest/bench_quant.py --rows 1, weights from DRAM).
 constexpr int kSingleRowBlocks = 1;
 constexpr int kTileBlocks = 2;
+// Q8x16 weights are the exception: a lone row reads a thread's n-blocks as 4 runs at once (4
+// independent chains of sums). On an Intel Xeon (2 cores, where one thread's single stream
+// of loads reads 11 GB/s and four streams 14 GB/s) its 30 layers of Q8_0 weights took 4.8-5.0
+// ms a step in place of 6.3, and a whole step of SmolLM2's Q6_K file (mostly Q8_0) 9.1-9.3
+// ms in place of 10.7-10.9 (docs/benchmarks/2026-12-04-quant/README.md, fifteenth session).
+// Q4x16 measured the same with 1-4 runs there, so it keeps one.
+constexpr int kRowStreams = 4;
+// Whether a lone row's Q8x16 weights are read in kRowStreams runs (set_row_streams: for
+// comparisons; the results are the same bits).
+std::atomic<bool>& row_streams_switch() {
+  static std::atomic<bool> on{true};
+  return on;
+}
 // Rows of x per pass over the weights: 5-8 rows take one n-block at a time (8 int32 and 8
 // float32 accumulators), so a speculative verify of up to 7 guesses unpacks each weight once
 // (3-7 % faster at 5-9 rows than a 4-row and a 1-row pass, loadtest/bench_quant.py).
@@ -369,7 +382,7 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
 // R rows of x (from m0) against T n-blocks (from j0) of Q8x16 weights.
 template <int R, int T>
 void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_t m0,
-             int64_t j0, const Dims16& d, float* out) {
+             int64_t j0, const Dims16& d, float* out, int64_t js = 1) {
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 512;
   const int64_t subs_per_group = d.G / kSub;
@@ -388,7 +401,7 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
     for (int c = 0; c < 16; ++c) {
       for (int t = 0; t < T; ++t) {
         const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            qw + (j0 + t) * block_stride + b * 512 + c * 32)));
+            qw + (j0 + t * js) * block_stride + b * 512 + c * 32)));
         for (int r = 0; r < R; ++r) {
           const int16_t* xp = qx.codes.data() + (m0 + r) * d.K + b * kSub + c * 2;
           __m512i& chain = kSplit && c % 2 ? odd[r][t] : sum[r][t];
@@ -406,7 +419,7 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
       const int64_t g = per_row ? 0 : b / subs_per_group;
       for (int t = 0; t < T; ++t) {
         const __m512 sv =
-            per_row ? _mm512_set1_ps(1.f) : halves16(scales + ((j0 + t) * num_groups + g) * kLanes);
+            per_row ? _mm512_set1_ps(1.f) : halves16(scales + ((j0 + t * js) * num_groups + g) * kLanes);
         for (int r = 0; r < R; ++r) {
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][t]), sv, acc[r][t]);
           sum[r][t] = _mm512_setzero_si512();
@@ -416,12 +429,24 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
   }
   for (int t = 0; t < T; ++t) {
     const __m512 row_scale =
-        per_row ? halves16(scales + (j0 + t) * kLanes) : _mm512_set1_ps(1.f);
+        per_row ? halves16(scales + (j0 + t * js) * kLanes) : _mm512_set1_ps(1.f);
     for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes,
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t * js) * kLanes,
                        _mm512_mul_ps(_mm512_mul_ps(acc[r][t], row_scale),
                                      _mm512_set1_ps(qx.dx[m0 + r])));
   }
+}
+
+// A lone row against a thread's n-blocks [j0, j1) of Q8x16 weights, in kRowStreams runs of
+// equal length read at once (tile(j, js) takes n-blocks j, j + js, ...): returns where the
+// rest (fewer than kRowStreams blocks) starts. Each block's sums and float work are a
+// one-block tile's, so the output is the same bits either way.
+template <typename Tile>
+int64_t q8_row_streams(int64_t j0, int64_t j1, Tile&& tile) {
+  const int64_t per = (j1 - j0) / kRowStreams;
+  if (per == 0 || !row_streams_switch().load(std::memory_order_relaxed)) return j0;
+  for (int64_t i = 0; i < per; ++i) tile(j0 + i, per);
+  return j0 + per * kRowStreams;
 }
 
 // Rows of x in a tile of up to kMaxTileRows against n-blocks [j0, j1).
@@ -437,6 +462,11 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
   int64_t j = j0;
   switch (rows) {
     case 1:
+      if constexpr (!Q4) {
+        j = q8_row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+          q8_tile<1, kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
+        });
+      }
       for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
       break;
     case 2:
@@ -526,7 +556,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
 
 template <int R, int T>
 void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::RowCodes8& qx,
-                int64_t m0, int64_t j0, const Dims16& d, float* out) {
+                int64_t m0, int64_t j0, const Dims16& d, float* out, int64_t js = 1) {
   constexpr bool kSplit = R * T <= 2;
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 512;
@@ -546,7 +576,7 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
       for (int t = 0; t < T; ++t) sum[r][t][0] = sum[r][t][1] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
       for (int t = 0; t < T; ++t) {
-        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 512 + c * 64);
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t * js) * block_stride + b * 512 + c * 64);
         const __m512i u = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, w), top_bits);
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = qx.quads.data() + ((m0 + r) * d.K + b * kSub) / 4;
@@ -557,7 +587,7 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
     }
     const int64_t g = per_row ? 0 : b / subs_per_group;
     for (int t = 0; t < T; ++t) {
-      const __m512 sv = halves16(scales + ((j0 + t) * num_groups + g) * kLanes);
+      const __m512 sv = halves16(scales + ((j0 + t * js) * num_groups + g) * kLanes);
       for (int r = 0; r < R; ++r) {
         const int64_t row_sub = (m0 + r) * num_sub + b;
         const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(sum[r][t][0], sum[r][t][1]),
@@ -569,7 +599,7 @@ void q8_tile_i8(const uint8_t* qw, const uint16_t* scales, const pdserve_cpu::Ro
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t)
-      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes, acc[r][t]);
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t * js) * kLanes, acc[r][t]);
 }
 
 // Wide tiles of the 8-bit path, for batches of 8 or more rows: R rows (16 or 8) against one
@@ -765,6 +795,11 @@ void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint
   int64_t j = j0;
   switch (rows) {
     case 1:
+      if constexpr (!Q4) {
+        j = q8_row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+          q8_tile_i8<1, kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
+        });
+      }
       for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
       break;
     case 2:
@@ -1016,6 +1051,8 @@ bool amx_on() { return amx_switch().load(std::memory_order_relaxed) && amx_avail
 
 void set_amx(bool on) { amx_switch().store(on, std::memory_order_relaxed); }
 
+void set_row_streams(bool on) { row_streams_switch().store(on, std::memory_order_relaxed); }
+
 bool has_x16() {
 #ifdef PDSERVE_X16
   return true;
@@ -1037,6 +1074,9 @@ void register_quant_x16(pybind11::module& m) {
   m.def("amx_available", &amx_available,
         "whether AMX tiles were compiled in and this process may use them");
   m.def("amx_on", &amx_on, "whether the int8 tiles of 16 rows run on AMX now");
+  m.def("set_row_streams", &set_row_streams, pybind11::arg("on"),
+        "a lone row's Q8x16 weights read in 4 runs at once (on) or in one (the same results "
+        "either way; for comparisons)");
   m.def("set_amx", &set_amx, pybind11::arg("on"),
         "turn the AMX tiles on or off (the same results either way; for comparisons)");
 }

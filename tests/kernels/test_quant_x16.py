@@ -207,6 +207,31 @@ def test_x16_matmul_matches_float64_reference(kind: str, group: int | str, k: in
           f"from the rows kernel {worst_vs_rows:.2e}")  # fmt: skip
 
 
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("group", [32, 128, ROW])
+def test_a_lone_rows_q8_weights_in_four_runs_give_one_runs_bits(
+    group: int | str, act_bits: int
+) -> None:
+    """A lone row reads a thread's Q8x16 n-blocks in 4 runs at once; each block's sums and
+    float work are a one-block tile's, so the output is the same bits as one run, for every
+    remainder of blocks past the runs and shares of many blocks (the head's 49152 rows)."""
+    gen = torch.Generator().manual_seed(31 + act_bits)
+    try:
+        for n in [16, 48, 80, 112, 304, 1040, 4112]:
+            w = make_weight("q8", n, 256, group, gen)
+            x = torch.randn(1, 256, generator=gen) * 3
+            cpu_quant.set_row_streams(True)
+            runs = x16_matmul(x, w, act_bits)
+            cpu_quant.set_row_streams(False)
+            one = x16_matmul(x, w, act_bits)
+            assert torch.equal(runs.view(torch.int32), one.view(torch.int32)), n
+            # ...and the one-row output is its row of a batch's (tiles of several rows).
+            batch = torch.cat([x, torch.randn(4, 256, generator=gen)])
+            assert torch.equal(x16_matmul(batch, w, act_bits)[:1], runs), n
+    finally:
+        cpu_quant.set_row_streams(True)
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_each_row_is_computed_alone(kind: str) -> None:
     """A row's output is the same bits in any batch: what makes a speculative verify row
