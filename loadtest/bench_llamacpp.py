@@ -208,6 +208,14 @@ def metrics_of(url: str) -> dict[str, float]:
     return values
 
 
+class ServerDied(RuntimeError):
+    """llama-server ended before it was healthy."""
+
+    def __init__(self, returncode: int, message: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 @contextmanager
 def llama_server(
     binary: Path, gguf: str, threads: int, parallel: int, ctx: int, logs: Path,
@@ -229,7 +237,8 @@ def llama_server(
         while True:
             if process.poll() is not None:
                 tail = (logs / "llama-server.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"llama-server exited with {process.returncode}:\n{tail}")
+                raise ServerDied(process.returncode, f"llama-server exited with "
+                                 f"{process.returncode}:\n{tail}")  # fmt: skip
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
                     if reply.status == 200:
@@ -544,9 +553,26 @@ def summarize_run(result: dict[str, Any], expected: int, input_len: int) -> dict
 def run_llama_stack(
     args: argparse.Namespace, work: Workload, server: Path, gguf: str, out: Path,
 ) -> dict[str, Any]:  # fmt: skip
+    extra = shlex.split(args.llama_server_args)
+    try:
+        return _llama_stack(args, work, server, gguf, out, extra)
+    except ServerDied as exc:
+        # Built natively on an Intel Xeon with AMX, llama-server died with SIGSEGV at load in
+        # its AMX weight repacking; its plain CPU kernels (--no-repack) run.
+        if exc.returncode >= 0 or {"--no-repack", "-nr"} & set(extra):
+            raise
+        log(f"  llama-server died at load (signal {-exc.returncode}); again with --no-repack")
+        record = _llama_stack(args, work, server, gguf, out, [*extra, "--no-repack"])
+        record["fallback"] = f"--no-repack (as built it died with signal {-exc.returncode})"
+        return record
+
+
+def _llama_stack(
+    args: argparse.Namespace, work: Workload, server: Path, gguf: str, out: Path,
+    extra: list[str],
+) -> dict[str, Any]:  # fmt: skip
     per_slot = -(-(args.input_len + args.output_len + 16) // 256) * 256
     ctx = max(4096, args.concurrency * per_slot)
-    extra = shlex.split(args.llama_server_args)
     log(f"\n== llama-server: -t {args.threads} --parallel {args.concurrency} -c {ctx} ==")
     record: dict[str, Any] = {"runs": {}}
     with llama_server(server, gguf, args.threads, args.concurrency, ctx, out / "logs",
