@@ -868,21 +868,18 @@ torch::Tensor x16_matmul(const torch::Tensor& x, const torch::Tensor& qweight,
     const pdserve_cpu::WideRows wide8 = pdserve_cpu::wide_rows(qx, tiles16 * 16, tiles8, 8, bias, d.K, kSub);
     const int64_t left = d.M - rest;
     const int64_t rest_passes = (left + kMaxTileRows - 1) / kMaxTileRows;
-    const bool amx = pdserve_cpu::amx_on();
+    [[maybe_unused]] const bool amx = pdserve_cpu::amx_on();
     pdserve_cpu::parallel_for(num_quads, 1, [&](int64_t q0, int64_t q1) {
       const int64_t j0 = q0 * 4, j1 = std::min(d.num_blocks(), q1 * 4);
 #ifdef PDSERVE_AMX
       if (amx) {
         for (int64_t t = 0; t < tiles16; ++t) x16_wide_i8_amx<Q4>(qw, sp, mins, wide16, t, j0, j1, d, op);
-      } else {
+      } else  // the AVX-512 tiles below
+#endif
+      {
         for (int64_t t = 0; t < tiles16; ++t)
           for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 16>(qw, sp, mins, wide16, t, j, d, op);
       }
-#else
-      (void)amx;
-      for (int64_t t = 0; t < tiles16; ++t)
-        for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 16>(qw, sp, mins, wide16, t, j, d, op);
-#endif
       for (int64_t t = 0; t < tiles8; ++t)
         for (int64_t j = j0; j < j1; ++j) x16_wide_i8<Q4, 8>(qw, sp, mins, wide8, t, j, d, op);
       for (int64_t p = 0, m0 = rest; p < rest_passes; ++p) {
