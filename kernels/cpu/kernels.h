@@ -30,6 +30,10 @@ namespace pdserve_cpu {
 // and set_amx did not turn it off. Both paths give the same bits (the tile's int32 sums are the
 // vector path's; the float work after them is the same).
 bool amx_on();
+// A lone row reads a thread's n-blocks of x16 and KQx16 weights as kRowStreams runs at once
+// (quant_x16.cpp); set_row_streams(false) makes it one run, for comparisons (the same bits).
+constexpr int kRowStreams = 4;
+bool row_streams_on();
 bool amx_available();
 void set_amx(bool on);
 

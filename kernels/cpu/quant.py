@@ -230,8 +230,9 @@ def set_amx(on: bool) -> None:
 
 
 def set_row_streams(on: bool) -> None:
-    """Whether a lone row reads its Q8x16 weights in 4 runs at once (the default) or in one,
-    to compare the two; results are the same bits either way."""
+    """Whether a lone row reads its Q4x16 and Q8x16 weights, and KQx16 weights with 4-bit low
+    planes under 8-bit activation codes, in 4 runs at once (the default) or in one, to
+    compare the two; results are the same bits either way."""
     load().set_row_streams(on)
 
 

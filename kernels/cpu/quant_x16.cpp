@@ -67,21 +67,20 @@ namespace {
 constexpr int64_t kSub = 32;
 constexpr int64_t kLanes = 16;
 // n-blocks per pass: a lone row takes 1 (its sums in two chains), tiles of 2-4 rows take 2 (8
-// chains at 4 rows, with 16 accumulators and the unpacked codes in 32 registers). A lone row
-// is bound by how fast its weights stream from memory, and one n-block at a time reads one
-// run of addresses per thread where 4 read 4 runs 9 KB apart (for K = 576): measured 7-12 %
-// faster per step (loadtest/bench_quant.py --rows 1, weights from DRAM).
+// chains at 4 rows, with 16 accumulators and the unpacked codes in 32 registers), where a
+// thread's share is too short for the runs below.
 constexpr int kSingleRowBlocks = 1;
 constexpr int kTileBlocks = 2;
-// Q8x16 weights are the exception: a lone row reads a thread's n-blocks as 4 runs at once (4
-// independent chains of sums). On an Intel Xeon (2 cores, where one thread's single stream
-// of loads reads 11 GB/s and four streams 14 GB/s) its 30 layers of Q8_0 weights took 4.8-5.0
-// ms a step in place of 6.3, and a whole step of SmolLM2's Q6_K file (mostly Q8_0) 9.1-9.3
-// ms in place of 10.7-10.9 (docs/benchmarks/2026-12-04-quant/README.md, fifteenth session).
-// Q4x16 measured the same with 1-4 runs there, so it keeps one.
-constexpr int kRowStreams = 4;
-// Whether a lone row's Q8x16 weights are read in kRowStreams runs (set_row_streams: for
-// comparisons; the results are the same bits).
+// A lone row reads a thread's n-blocks as pdserve_cpu::kRowStreams (4) runs at once (4
+// independent chains of sums), since it is bound by how fast its weights stream from memory
+// and one stream of loads a thread reads far below the machine's rate. On an Intel Xeon
+// with AMX (one thread's single stream reads 11 GB/s, four 14) the 30 layers of Q8_0 weights
+// of one row took 4.8-5.0 ms a step in place of 6.3 (Q4x16 measured alike there); on an
+// Intel Xeon without (Ice Lake, two threads reading 25 GB/s in one run each, 30 in four)
+// SmolLM2's 30 layers of Q4_0-shaped Q4x16 weights read from DRAM took 3.68 ms in place of
+// 4.24 (8-bit codes) and 4.86 in place of 5.54 (16-bit), and the Q4_1 file's decode step's
+// layers 4.7 ms in place of 5.2 (docs/benchmarks/2026-12-04-quant/README.md, fifteenth and
+// sixteenth sessions). Whether it does (set_row_streams: for comparisons; the same bits).
 std::atomic<bool>& row_streams_switch() {
   static std::atomic<bool> on{true};
   return on;
@@ -323,7 +322,7 @@ inline __m512 mins16(const uint16_t* mins, int64_t at, __m512 sv) {
 // R rows of x (from m0) against T n-blocks (from j0) of Q4x16 weights.
 template <int R, int T>
 void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const CodesX& qx,
-             int64_t m0, int64_t j0, const Dims16& d, float* out) {
+             int64_t m0, int64_t j0, const Dims16& d, float* out, int64_t js = 1) {
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 256;  // bytes per n-block
   const int64_t subs_per_group = d.G / kSub;
@@ -338,7 +337,7 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
       for (int t = 0; t < T; ++t) sum[r][t] = odd[r][t] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       for (int t = 0; t < T; ++t) {
-        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t * js) * block_stride + b * 256 + c * 64);
         const __m512i v0 = _mm512_and_si512(w, low4);
         const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
         const __m512i v2 = _mm512_and_si512(_mm512_srli_epi16(w, 8), low4);
@@ -361,7 +360,7 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
     const int64_t g = b / subs_per_group;
     const bool group_end = (b + 1) % subs_per_group == 0;
     for (int t = 0; t < T; ++t) {
-      const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
+      const int64_t at = ((j0 + t * js) * num_groups + g) * kLanes;
       const __m512 sv = halves16(scales + at);
       __m512 mv = _mm512_setzero_ps();
       if (group_end) mv = mins16(mins, at, sv);
@@ -375,7 +374,7 @@ void q4_tile(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, co
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t)
-      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes,
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t * js) * kLanes,
                        _mm512_mul_ps(acc[r][t], _mm512_set1_ps(qx.dx[m0 + r])));
 }
 
@@ -437,16 +436,16 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
   }
 }
 
-// A lone row against a thread's n-blocks [j0, j1) of Q8x16 weights, in kRowStreams runs of
-// equal length read at once (tile(j, js) takes n-blocks j, j + js, ...): returns where the
-// rest (fewer than kRowStreams blocks) starts. Each block's sums and float work are a
-// one-block tile's, so the output is the same bits either way.
+// A lone row against a thread's n-blocks [j0, j1) of Q4x16 or Q8x16 weights, in kRowStreams
+// runs of equal length read at once (tile(j, js) takes n-blocks j, j + js, ...): returns
+// where the rest (fewer than kRowStreams blocks) starts. Each block's sums and float work
+// are a one-block tile's, so the output is the same bits either way.
 template <typename Tile>
-int64_t q8_row_streams(int64_t j0, int64_t j1, Tile&& tile) {
-  const int64_t per = (j1 - j0) / kRowStreams;
+int64_t row_streams(int64_t j0, int64_t j1, Tile&& tile) {
+  const int64_t per = (j1 - j0) / pdserve_cpu::kRowStreams;
   if (per == 0 || !row_streams_switch().load(std::memory_order_relaxed)) return j0;
   for (int64_t i = 0; i < per; ++i) tile(j0 + i, per);
-  return j0 + per * kRowStreams;
+  return j0 + per * pdserve_cpu::kRowStreams;
 }
 
 // Rows of x in a tile of up to kMaxTileRows against n-blocks [j0, j1).
@@ -462,11 +461,13 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
   int64_t j = j0;
   switch (rows) {
     case 1:
-      if constexpr (!Q4) {
-        j = q8_row_streams(j0, j1, [&](int64_t jj, int64_t js) {
-          q8_tile<1, kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
-        });
-      }
+      j = row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+        if constexpr (Q4) {
+          q4_tile<1, pdserve_cpu::kRowStreams>(qw, scales, mins, qx, m0, jj, d, out, js);
+        } else {
+          q8_tile<1, pdserve_cpu::kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
+        }
+      });
       for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
       break;
     case 2:
@@ -509,7 +510,7 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
 template <int R, int T>
 void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
                 const pdserve_cpu::RowCodes8& qx, int64_t m0, int64_t j0, const Dims16& d,
-                float* out) {
+                float* out, int64_t js = 1) {
   constexpr bool kSplit = R * T <= 2;
   const int64_t num_sub = d.num_sub(), num_groups = d.num_groups();
   const int64_t block_stride = num_sub * 256;
@@ -524,7 +525,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
       for (int t = 0; t < T; ++t) sum[r][t] = odd[r][t] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       for (int t = 0; t < T; ++t) {
-        const __m512i w = _mm512_loadu_si512(qw + (j0 + t) * block_stride + b * 256 + c * 64);
+        const __m512i w = _mm512_loadu_si512(qw + (j0 + t * js) * block_stride + b * 256 + c * 64);
         const __m512i v0 = _mm512_and_si512(w, nibbles);
         const __m512i v1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibbles);
         for (int r = 0; r < R; ++r) {  // a small tile: two chains, joined after the sub-block
@@ -537,7 +538,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
     }
     const int64_t g = b / subs_per_group;
     for (int t = 0; t < T; ++t) {
-      const int64_t at = ((j0 + t) * num_groups + g) * kLanes;
+      const int64_t at = ((j0 + t * js) * num_groups + g) * kLanes;
       const __m512 sv = halves16(scales + at), mv = mins16(mins, at, sv);
       for (int r = 0; r < R; ++r) {
         const int64_t row_sub = (m0 + r) * num_sub + b;
@@ -551,7 +552,7 @@ void q4_tile_i8(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t)
-      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t) * kLanes, acc[r][t]);
+      _mm512_storeu_ps(out + (m0 + r) * d.N + (j0 + t * js) * kLanes, acc[r][t]);
 }
 
 template <int R, int T>
@@ -795,11 +796,13 @@ void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint
   int64_t j = j0;
   switch (rows) {
     case 1:
-      if constexpr (!Q4) {
-        j = q8_row_streams(j0, j1, [&](int64_t jj, int64_t js) {
-          q8_tile_i8<1, kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
-        });
-      }
+      j = row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+        if constexpr (Q4) {
+          q4_tile_i8<1, pdserve_cpu::kRowStreams>(qw, scales, mins, qx, m0, jj, d, out, js);
+        } else {
+          q8_tile_i8<1, pdserve_cpu::kRowStreams>(qw, scales, qx, m0, jj, d, out, js);
+        }
+      });
       for (; j + kSingleRowBlocks <= j1; j += kSingleRowBlocks) { PDSERVE_X16_TILE(1, kSingleRowBlocks) }
       break;
     case 2:
@@ -1050,6 +1053,8 @@ void set_amx(bool on) { amx_switch().store(on, std::memory_order_relaxed); }
 
 void set_row_streams(bool on) { row_streams_switch().store(on, std::memory_order_relaxed); }
 
+bool row_streams_on() { return row_streams_switch().load(std::memory_order_relaxed); }
+
 bool has_x16() {
 #ifdef PDSERVE_X16
   return true;
@@ -1072,8 +1077,8 @@ void register_quant_x16(pybind11::module& m) {
         "whether AMX tiles were compiled in and this process may use them");
   m.def("amx_on", &amx_on, "whether the int8 tiles of 16 rows run on AMX now");
   m.def("set_row_streams", &set_row_streams, pybind11::arg("on"),
-        "a lone row's Q8x16 weights read in 4 runs at once (on) or in one (the same results "
-        "either way; for comparisons)");
+        "a lone row's Q4x16, Q8x16 and 4-bit-plane KQx16 weights read in 4 runs at once (on) "
+        "or in one (the same results either way; for comparisons)");
   m.def("set_amx", &set_amx, pybind11::arg("on"),
         "turn the AMX tiles on or off (the same results either way; for comparisons)");
 }

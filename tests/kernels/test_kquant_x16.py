@@ -131,6 +131,32 @@ def test_int8_activations_multiply_exactly_their_codes(type_name: str) -> None:
 
 
 @pytest.mark.skipif(not kq_int8_available(), reason="no int8 activation path here")
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_lone_row_in_four_runs_gives_one_runs_bits(type_name: str) -> None:
+    """With 8-bit activations a lone row reads a thread's n-blocks of a type with 4-bit low
+    planes in 4 runs at once (kq_rows_i8); each block's sums and float work are a one-block
+    tile's, so the output is the same bits as one run and as the row's in a batch, for
+    shares long enough to take the runs (hundreds of n-blocks) and every remainder."""
+    from kernels.cpu import quant as cpu_quant
+
+    k = max(KQUANT_TYPES[type_name][0], 256)
+    gen = torch.Generator().manual_seed(41 + len(type_name))
+    try:
+        for n in (1040, 1072, 4112):
+            w = random_weight(type_name, n, k, seed=n)
+            x = torch.randn(1, k, generator=gen) * 3
+            cpu_quant.set_row_streams(True)
+            runs = kq_x16_matmul(x, w, act_bits=8)
+            cpu_quant.set_row_streams(False)
+            one = kq_x16_matmul(x, w, act_bits=8)
+            assert torch.equal(runs.view(torch.int32), one.view(torch.int32)), (type_name, n)
+            batch = torch.cat([x, torch.randn(4, k, generator=gen)])
+            assert torch.equal(kq_x16_matmul(batch, w, act_bits=8)[:1], runs), (type_name, n)
+    finally:
+        cpu_quant.set_row_streams(True)
+
+
+@pytest.mark.skipif(not kq_int8_available(), reason="no int8 activation path here")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_integer_codes_multiply_exactly_their_int8_codes(bits: int) -> None:
     """GPTQ / compressed-tensors integer codes (W4, and W8 whose 8-bit codes take each

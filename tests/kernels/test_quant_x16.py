@@ -208,17 +208,18 @@ def test_x16_matmul_matches_float64_reference(kind: str, group: int | str, k: in
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-@pytest.mark.parametrize("group", [32, 128, ROW])
-def test_a_lone_rows_q8_weights_in_four_runs_give_one_runs_bits(
-    group: int | str, act_bits: int
+@pytest.mark.parametrize(("kind", "group"), [("q4", 32), ("q4", 128), ("q8", 32), ("q8", 128), ("q8", ROW)])
+def test_a_lone_rows_weights_in_four_runs_give_one_runs_bits(
+    kind: str, group: int | str, act_bits: int
 ) -> None:
-    """A lone row reads a thread's Q8x16 n-blocks in 4 runs at once; each block's sums and
-    float work are a one-block tile's, so the output is the same bits as one run, for every
-    remainder of blocks past the runs and shares of many blocks (the head's 49152 rows)."""
+    """A lone row reads a thread's Q4x16 / Q8x16 n-blocks in 4 runs at once; each block's
+    sums and float work are a one-block tile's, so the output is the same bits as one run,
+    for every remainder of blocks past the runs and shares of many blocks (the head's 49152
+    rows)."""
     gen = torch.Generator().manual_seed(31 + act_bits)
     try:
         for n in [16, 48, 80, 112, 304, 1040, 4112]:
-            w = make_weight("q8", n, 256, group, gen)
+            w = make_weight(kind, n, 256, group, gen)
             x = torch.randn(1, 256, generator=gen) * 3
             cpu_quant.set_row_streams(True)
             runs = x16_matmul(x, w, act_bits)
