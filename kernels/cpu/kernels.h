@@ -30,12 +30,25 @@ namespace pdserve_cpu {
 // and set_amx did not turn it off. Both paths give the same bits (the tile's int32 sums are the
 // vector path's; the float work after them is the same).
 bool amx_on();
-// A lone row reads a thread's n-blocks of x16 and KQx16 weights as kRowStreams runs at once
-// (quant_x16.cpp); set_row_streams(false) makes it one run, for comparisons (the same bits).
-constexpr int kRowStreams = 4;
-bool row_streams_on();
 bool amx_available();
 void set_amx(bool on);
+
+// A lone row reads a thread's n-blocks of x16 and KQx16 weights as kRowStreams runs at once
+// (quant_x16.cpp says why); set_row_streams(false) makes it one run, for comparisons.
+constexpr int kRowStreams = 4;
+bool row_streams_on();
+
+// A lone row against a thread's n-blocks [j0, j1) in kRowStreams runs of equal length read
+// at once (tile(j, js) takes n-blocks j, j + js, ...): returns where the rest (fewer than
+// kRowStreams blocks, or all of them when the runs are off) starts. A tile's blocks must
+// each get a one-block tile's sums and float work, so the output is the same bits either way.
+template <typename Tile>
+int64_t row_streams(int64_t j0, int64_t j1, Tile&& tile) {
+  const int64_t per = (j1 - j0) / kRowStreams;
+  if (per == 0 || !row_streams_on()) return j0;
+  for (int64_t i = 0; i < per; ++i) tile(j0 + i, per);
+  return j0 + per * kRowStreams;
+}
 
 #ifdef PDSERVE_AMX
 // LDTILECFG's 64-byte operand, palette 1: tile t is rows[t] rows of colsb[t] bytes.

@@ -558,17 +558,17 @@ void kq_tile_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0,
 template <int LO, int HI, int G>
 void kq_rows_i8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t m0, int rows, int64_t j0,
                 int64_t j1, const Dims& dims, float* out) {
-  if (LO == 4 && rows == 1 && pdserve_cpu::row_streams_on()) {
-    // A lone row reads a thread's n-blocks as kRowStreams runs of equal length at once
-    // (quant_x16.cpp's row_streams): each block's sums and float work are a one-block
-    // tile's, the same bits. Types with 4-bit low planes only: on an Intel Xeon (Ice Lake,
-    // 2 cores) 30 layers' down projections read from DRAM took Q6_K 1.66 -> 1.52 ms, Q5_0's
-    // four projections 6.25 -> 5.86, Q4_K / Q5_K / Q5_1 alike, but Q2_K 1.38 -> 1.61 and
-    // Q3_K 1.35 -> 1.57 (2-bit planes: four tiles' planes and scales crowd the registers).
-    const int64_t per = (j1 - j0) / pdserve_cpu::kRowStreams;
-    for (int64_t i = 0; i < per; ++i)
-      kq_tile_i8<LO, HI, G, 1, pdserve_cpu::kRowStreams>(w, qx, m0, j0 + i, dims, out, per);
-    j0 += per * pdserve_cpu::kRowStreams;
+  if constexpr (LO == 4) {
+    // A lone row reads a thread's n-blocks in kRowStreams runs at once (kernels.h's
+    // row_streams). Types with 4-bit low planes only: on an Intel Xeon (Ice Lake, 2 cores)
+    // 30 layers' down projections read from DRAM took Q6_K 1.66 -> 1.52 ms, Q5_0's four
+    // projections 6.25 -> 5.86, Q4_K / Q5_K / Q5_1 alike, but Q2_K 1.38 -> 1.61 and Q3_K
+    // 1.35 -> 1.57 (2-bit planes: four tiles' planes and scales crowd the registers).
+    if (rows == 1) {
+      j0 = pdserve_cpu::row_streams(j0, j1, [&](int64_t j, int64_t js) {
+        kq_tile_i8<LO, HI, G, 1, pdserve_cpu::kRowStreams>(w, qx, m0, j, dims, out, js);
+      });
+    }
   }
   each_tile<1>(rows, j0, j1, [&]<int R, int T>(int64_t j) {
     kq_tile_i8<LO, HI, G, R, T>(w, qx, m0, j, dims, out);

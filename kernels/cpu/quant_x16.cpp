@@ -436,18 +436,6 @@ void q8_tile(const uint8_t* qw, const uint16_t* scales, const CodesX& qx, int64_
   }
 }
 
-// A lone row against a thread's n-blocks [j0, j1) of Q4x16 or Q8x16 weights, in kRowStreams
-// runs of equal length read at once (tile(j, js) takes n-blocks j, j + js, ...): returns
-// where the rest (fewer than kRowStreams blocks) starts. Each block's sums and float work
-// are a one-block tile's, so the output is the same bits either way.
-template <typename Tile>
-int64_t row_streams(int64_t j0, int64_t j1, Tile&& tile) {
-  const int64_t per = (j1 - j0) / pdserve_cpu::kRowStreams;
-  if (per == 0 || !row_streams_switch().load(std::memory_order_relaxed)) return j0;
-  for (int64_t i = 0; i < per; ++i) tile(j0 + i, per);
-  return j0 + per * pdserve_cpu::kRowStreams;
-}
-
 // Rows of x in a tile of up to kMaxTileRows against n-blocks [j0, j1).
 template <bool Q4>
 void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_t* scales,
@@ -461,7 +449,7 @@ void run_rows(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint16_
   int64_t j = j0;
   switch (rows) {
     case 1:
-      j = row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+      j = pdserve_cpu::row_streams(j0, j1, [&](int64_t jj, int64_t js) {
         if constexpr (Q4) {
           q4_tile<1, pdserve_cpu::kRowStreams>(qw, scales, mins, qx, m0, jj, d, out, js);
         } else {
@@ -796,7 +784,7 @@ void run_rows_i8(int rows, int64_t j0, int64_t j1, const uint8_t* qw, const uint
   int64_t j = j0;
   switch (rows) {
     case 1:
-      j = row_streams(j0, j1, [&](int64_t jj, int64_t js) {
+      j = pdserve_cpu::row_streams(j0, j1, [&](int64_t jj, int64_t js) {
         if constexpr (Q4) {
           q4_tile_i8<1, pdserve_cpu::kRowStreams>(qw, scales, mins, qx, m0, jj, d, out, js);
         } else {
