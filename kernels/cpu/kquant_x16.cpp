@@ -1003,9 +1003,22 @@ void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t 
   static_assert(run >= 1, "codes too wide for int16 runs");
   const int64_t num_sub = dims.num_sub(), groups = dims.K / G, blocks = dims.K / w.L;
   const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  // Loop invariants held in registers: the weight's fields are read once, not per group.
+  const bool has_min = w.has_min();
+  const int32_t bias = w.bias;
+  const bool has_bias = bias != 0;
+  // The float block of sub-block b is b / (L / 32) (L is a multiple of 32, so a sub-block's
+  // groups share it): counted along, not divided per group.
+  const int64_t subs_per_block = w.L / kSub;
+  int64_t block = 0, sub_in_block = 0;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_sub; ++b) {
+    const int64_t block_base = (j * blocks + block) * kLanes;
+    if (++sub_in_block == subs_per_block) {
+      sub_in_block = 0;
+      ++block;
+    }
     for (int e = 0; e < 2; ++e) {
       __m256i v[8], vh[kW8 ? 8 : 1];
       {
@@ -1033,10 +1046,10 @@ void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t 
       }
       for (int q = 0; q < groups_per_sub; ++q) {
         const int64_t g = b * groups_per_sub + q;
-        const int64_t at_block = (j * blocks + g * G / w.L) * kLanes + e * 8;
+        const int64_t at_block = block_base + e * 8;
         const int64_t at_group = (j * groups + g) * kLanes + e * 8;
         const __m256 scale = group_scale8(w, at_block, at_group);
-        const __m256 min_term = group_min8(w, at_block, at_group);
+        const __m256 min_term = has_min ? group_min8(w, at_block, at_group) : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = qx.quads.data() + ((m0 + r) * dims.K + b * kSub) / 4;
@@ -1057,9 +1070,9 @@ void kq_block_i8_8(const KqWeight& w, const pdserve_cpu::RowCodes8& qx, int64_t 
             }
           }
           const int32_t c = qx.csum[(m0 + r) * groups + g];
-          if (w.bias != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(w.bias * c));
+          if (has_bias) s = _mm256_sub_epi32(s, _mm256_set1_epi32(bias * c));
           __m256 inner = _mm256_mul_ps(_mm256_cvtepi32_ps(s), scale);
-          if (w.has_min())
+          if (has_min)
             inner = _mm256_fmadd_ps(min_term, _mm256_set1_ps(static_cast<float>(c)), inner);
           acc[r][e] = _mm256_fmadd_ps(inner, _mm256_set1_ps(qx.dx[(m0 + r) * num_sub + b]),
                                       acc[r][e]);
