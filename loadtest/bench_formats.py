@@ -95,6 +95,14 @@ def measure(
     }  # fmt: skip
 
 
+def progress(round_number: int, result: dict[str, Any], llama_figure: float | None) -> str:
+    """One measurement's line as it ends: the engine's figures and the llama-bench run
+    beside it, if one ran and worked."""
+    beside = "" if llama_figure is None else f", llama-bench {llama_figure:.1f} tok/s"
+    return (f"round {round_number}: {result['label']} 1 stream {result['single_tok_s']} tok/s, "
+            f"{STREAMS} streams {result[f'c{STREAMS}_tok_s']} tok/s{beside}")  # fmt: skip
+
+
 def llama_bench(
     binary: Path, gguf: str, tokens: int, threads: int, prompt_len: int
 ) -> float | None:
@@ -189,8 +197,9 @@ def main() -> None:
     # before it, so that each engine round has a llama.cpp figure taken minutes apart at most.
     rounds: list[list[dict[str, Any]]] = [[] for _ in specs]
     tg_rounds: list[list[float]] = [[] for _ in specs]
-    for _ in range(args.rounds):
+    for round_number in range(1, args.rounds + 1):
         for (label, path, quantization), done_rounds, tg in zip(specs, rounds, tg_rounds, strict=True):
+            figure = None
             if args.llama_bench and path.endswith(".gguf"):
                 figure = llama_bench(args.llama_bench, path, args.tokens, args.threads, args.prompt)
                 if figure is not None:
@@ -203,6 +212,8 @@ def main() -> None:
             )  # fmt: skip
             line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
             done_rounds.append(json.loads(line.removeprefix("RESULT ")))
+            # Progress as each measurement ends (a round of many formats takes minutes).
+            print(progress(round_number, done_rounds[-1], figure), file=sys.stderr, flush=True)
     rows = [summarize(done, tg) for done, tg in zip(rounds, tg_rounds, strict=True)]
     base = rows[0]
     cpu = next(

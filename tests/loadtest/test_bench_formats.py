@@ -52,3 +52,11 @@ def test_a_crashed_llama_bench_falls_back_to_the_better_run_that_works(
     assert bench_formats.llama_bench(Path("llama-bench"), "m.gguf", 128, 2, 32) == 90.0
     monkeypatch.setattr(bench_formats, "_llama_bench_run", lambda *a: None)
     assert bench_formats.llama_bench(Path("llama-bench"), "m.gguf", 128, 2, 32) is None
+
+
+def test_each_measurement_reports_its_figures_as_it_ends() -> None:
+    result = rounds(150.5)[0]
+    line = bench_formats.progress(2, result, 120.26)
+    assert line == f"round 2: Q2_K 1 stream 150.5 tok/s, {STREAMS} streams 1505.0 tok/s, llama-bench 120.3 tok/s"
+    # no llama-bench run beside it (a float checkpoint, or the run failed): no figure
+    assert bench_formats.progress(1, result, None).endswith(f"{STREAMS} streams 1505.0 tok/s")
