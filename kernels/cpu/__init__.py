@@ -184,6 +184,12 @@ def _compile(directory: Path, flags: list[str] | None, verbose: bool) -> ModuleT
         target = target_flags() if flags is None else flags
 
         def build() -> ModuleType:
+            # torch numbers a name's builds within a process (a second build of the same
+            # name with other flags or another directory is <name>_v1, whose init symbol
+            # then is PyInit_<name>_v1): every build here is the first of its name.
+            versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+            if versioner is not None:
+                versioner.entries.pop(_NAME, None)
             return cpp_extension.load(
                 _NAME,
                 [str(_source_dir() / s) for s in _SOURCES if s.endswith(".cpp")],

@@ -106,10 +106,18 @@ def test_a_build_for_another_cpu_is_compiled_and_never_imported(
     calls: list[dict[str, Any]] = []
 
     def compile_then_import(name: str, sources: list[str], **kwargs: Any) -> Any:
-        # What torch's load() does: build the library, then import it.
+        # What torch's load() does: number the build (its versioner: a name built before
+        # in this process with other arguments becomes <name>_v1), build the library under
+        # that name, then import it.
         calls.append(kwargs)
-        Path(kwargs["build_directory"], f"{name}.so").write_bytes(b"not for this CPU")
-        return cpp_extension._import_module_from_library(name, kwargs["build_directory"], True)
+        version = cpp_extension.JIT_EXTENSION_VERSIONER.bump_version_if_changed(
+            name, sources, build_arguments=[kwargs["extra_cflags"]],
+            build_directory=kwargs["build_directory"], with_cuda=False, with_sycl=False,
+            is_python_module=True, is_standalone=False,
+        )  # fmt: skip
+        built = name if version == 0 else f"{name}_v{version}"
+        Path(kwargs["build_directory"], f"{built}.so").write_bytes(b"not for this CPU")
+        return cpp_extension._import_module_from_library(built, kwargs["build_directory"], True)
 
     monkeypatch.setattr(cpp_extension, "load", compile_then_import)
     directory = kcpu.build_target("avx512-amx")
@@ -120,3 +128,6 @@ def test_a_build_for_another_cpu_is_compiled_and_never_imported(
     # A second run finds the build and compiles nothing.
     kcpu.build_target("avx512-amx")
     assert len(calls) == 1
+    # Another target in the same process is a build of its own name, not <name>_v1.
+    avx512 = kcpu.build_target("avx512")
+    assert (avx512 / "pdserve_cpu_kernels.so").is_file() and len(calls) == 2
