@@ -231,6 +231,38 @@ def test_logprobs_and_echo(stack: Stack) -> None:
     assert "".join(item.token for item in content).startswith(chat.choices[0].message.content or "")
 
 
+def test_max_tokens_zero_echoes_the_prompt_with_its_logprobs_and_generates_nothing(
+    stack: Stack,
+) -> None:
+    client = sync_client(stack)
+    with_generation = client.completions.create(
+        model=stack.model_dir.name, prompt=PROMPT, max_tokens=1, temperature=0.0, logprobs=2,
+        echo=True,
+    )  # fmt: skip
+    alone = client.completions.create(
+        model=stack.model_dir.name, prompt=PROMPT, max_tokens=0, temperature=0.0, logprobs=2,
+        echo=True,
+    )  # fmt: skip
+    choice = alone.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert alone.usage is not None and alone.usage.completion_tokens == 0
+    assert alone.usage.prompt_tokens == with_generation.usage.prompt_tokens
+    # The prompt's logprobs, exactly those of the same request with one token generated.
+    full, mine = with_generation.choices[0].logprobs, choice.logprobs
+    assert full is not None and mine is not None
+    assert mine.tokens == full.tokens[:-1] and mine.token_logprobs == full.token_logprobs[:-1]
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model=stack.model_dir.name, prompt=PROMPT, max_tokens=0, echo=True, stream=True)
+        if chunk.choices
+    )  # fmt: skip
+    assert streamed == PROMPT
+    with pytest.raises(openai.BadRequestError) as nothing:
+        client.completions.create(model=stack.model_dir.name, prompt=PROMPT, max_tokens=0)
+    assert "max_tokens" in nothing.value.message and "echo" in nothing.value.message
+
+
 def test_bad_requests_get_openai_errors(stack: Stack) -> None:
     client = sync_client(stack)
     with pytest.raises(openai.NotFoundError) as missing:

@@ -64,6 +64,24 @@ def test_logprobs_and_echo_ask_for_token_and_prompt_logprobs() -> None:
     assert params.logprobs and params.top_logprobs == 0 and params.prompt_logprobs is None
 
 
+def test_max_tokens_zero_is_the_prompt_alone_with_echo_else_a_400() -> None:
+    # vLLM: echo with max_tokens 0 returns the prompt (and its logprobs) and generates
+    # nothing; without echo there is nothing to return.
+    (message,) = completion_requests(
+        CompletionRequest(prompt="x", max_tokens=0, echo=True, logprobs=2), "c")  # fmt: skip
+    params = sampling(message)
+    assert params.max_tokens == 1 and params.prompt_logprobs == 2  # the token is dropped
+    with pytest.raises(InvalidRequestError, match="echo") as refused:
+        completion_requests(CompletionRequest(prompt="x", max_tokens=0), "c")
+    assert refused.value.field == "max_tokens"
+    assert from_exception(refused.value)[0] == 400
+    # None (JSON null) still means what is left of the context; 1 is 1.
+    (message,) = completion_requests(CompletionRequest(prompt="x", max_tokens=None), "c")
+    assert message.sampling.max_tokens == 0
+    (message,) = completion_requests(CompletionRequest(prompt="x", max_tokens=1), "c")
+    assert message.sampling.max_tokens == 1
+
+
 def test_vllm_extras_map_onto_the_sampling_parameters() -> None:
     body = CompletionRequest(
         prompt="x", temperature=0.0, top_k=-1, min_p=0.1, repetition_penalty=1.2,

@@ -105,6 +105,11 @@ def _sampling(
     return pb
 
 
+def echo_only(body: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt returned, no token generated."""
+    return body.echo and body.max_tokens == 0
+
+
 def completion_requests(
     body: CompletionRequest, request_id: str
 ) -> list[gateway_pb2.GenerateRequest]:
@@ -123,6 +128,16 @@ def completion_requests(
     logprobs = body.logprobs is not None
     top = body.logprobs or 0
     echo_logprobs = top if body.echo and logprobs else None
+    max_tokens = body.max_tokens
+    if echo_only(body):
+        # vLLM's reading: the prompt (and with logprobs its logprobs), nothing generated.
+        # One token is computed with it (the prompt's logprobs come from its prefill) and
+        # the server drops it.
+        max_tokens = 1
+    elif body.max_tokens == 0:
+        raise InvalidRequestError(
+            "max_tokens", "is 0, which generates nothing: ask for at least 1 token, or send "
+            "echo: true for the prompt alone (with logprobs: its logprobs)")  # fmt: skip
     constraint, _ = structured.constraint(body)  # once for every prompt and copy
     out = []
     for i, text_or_ids in enumerate(prompts):
@@ -139,7 +154,7 @@ def completion_requests(
                     raise InvalidRequestError(f"prompt[{i}]", "is empty")
                 message.token_ids.ids.extend(text_or_ids)
             message.sampling.CopyFrom(
-                _sampling(body, body.max_tokens, logprobs, top, copy, echo_logprobs, constraint)
+                _sampling(body, max_tokens, logprobs, top, copy, echo_logprobs, constraint)
             )
             out.append(message)
     return out

@@ -32,9 +32,15 @@ from pydantic import BaseModel, ValidationError
 
 from common.errors import DrainingError, PdserveError, QueueFullError, UnauthenticatedError
 from common.telemetry.tracing import tracer
+from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
 from services.gateway.openai import responses, structured
-from services.gateway.openai.convert import chat_requests, completion_requests, from_exception
+from services.gateway.openai.convert import (
+    chat_requests,
+    completion_requests,
+    echo_only,
+    from_exception,
+)
 from services.gateway.openai.models import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai.responses import Choice, TokenText
 from services.gateway.openai.structured import ToolMode
@@ -300,6 +306,8 @@ class OpenAIServer:
         fanout = _Fanout(self.servicer, generate, body.n, call)
         try:
             messages = fanout.messages()
+            if isinstance(body, CompletionRequest) and echo_only(body):
+                messages = _prompt_only(messages)
             # The first message before any byte of the response: a request refused
             # (admission, context length, model) gets its HTTP status.
             first = await anext(messages, None)
@@ -384,6 +392,23 @@ class _BadJson(PdserveError):
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _prompt_only(
+    messages: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
+) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    """An echo with ``max_tokens: 0``: the token computed with the prompt is dropped (its
+    text, id and logprob; usage counts no completion token), the prompt's logprobs kept. It
+    ends at its length (0), whatever the dropped token was."""
+    async for index, message in messages:
+        message.ClearField("token_ids")
+        message.ClearField("logprobs")
+        message.text = ""
+        if message.HasField("usage"):
+            message.usage.completion_tokens = 0
+        if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            message.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        yield index, message
 
 
 class _ChunkWriter:
