@@ -67,6 +67,8 @@ def test_metadata_readiness_and_a_decoupled_config(stack: Stack) -> None:
     assert {t["name"] for t in seen["model"]["outputs"]} >= {"text_output", "finish_reason"}
     config = seen["config"]["config"]
     assert config["name"] == model and config["model_transaction_policy"]["decoupled"] is True
+    # tritonclient's get_model_repository_index (perf_analyzer and model listers call it).
+    assert seen["index"]["models"] == [{"name": model, "version": "1", "state": "READY"}]
 
 
 def test_greedy_output_is_the_same_through_kserve_grpc_and_http(stack: Stack) -> None:

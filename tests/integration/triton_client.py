@@ -50,6 +50,7 @@ def metadata(client: Any, model: str, args: dict[str, Any]) -> dict[str, Any]:
         "server": client.get_server_metadata(as_json=True, headers=args.get("headers")),
         "model": client.get_model_metadata(model, as_json=True, headers=args.get("headers")),
         "config": client.get_model_config(model, as_json=True, headers=args.get("headers")),
+        "index": client.get_model_repository_index(as_json=True, headers=args.get("headers")),
     }
 
 

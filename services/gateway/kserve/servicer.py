@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from common.errors import NotFoundError, PdserveError, UnavailableError
+from common.errors import InvalidRequestError, NotFoundError, PdserveError, UnavailableError
 from common.rpc.errors import rpc_method
 from common.telemetry.tracing import tracer
 from pdserve.common.v1 import common_pb2
@@ -117,6 +117,27 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         for name, datatype in tensors.OUTPUTS.items():
             config.output.add(name=name, data_type=_CONFIG_TYPES[datatype], dims=[-1])
         return pb.ModelConfigResponse(config=config)
+
+    @rpc_method
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        """Triton's model-repository extension, read-only: the one served model, READY while
+        a decode worker serves it, else UNAVAILABLE with the reason (``ready: true`` leaves
+        it out then). One repository: a named one is refused, as Triton refuses it."""
+        if request.repository_name:
+            raise InvalidRequestError(
+                "repository_name", f"{request.repository_name!r}: this server has one model "
+                "repository, which an empty repository_name lists")  # fmt: skip
+        ready = await self._ready()
+        if request.ready and not ready:
+            return pb.RepositoryIndexResponse()
+        reason = "" if ready else ("draining" if self.draining else "no decode worker serves it")
+        entry = pb.RepositoryIndexResponse.ModelIndex(
+            name=self.model, version=VERSION, state="READY" if ready else "UNAVAILABLE",
+            reason=reason,
+        )  # fmt: skip
+        return pb.RepositoryIndexResponse(models=[entry])
 
     # -- inference ------------------------------------------------------------------------
 
