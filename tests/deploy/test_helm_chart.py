@@ -356,6 +356,33 @@ def test_gateway_hpa_owns_the_replica_count() -> None:
     assert replicas == [3, 2, 4]
 
 
+def test_two_gateways_by_default_on_different_nodes_under_a_pdb() -> None:
+    # One gateway's loss leaves another for its streams to resume on.
+    rendered = render()
+    gateway = rendered.deployment("gateway")
+    hpa = rendered.one("HorizontalPodAutoscaler", gateway["metadata"]["name"])
+    assert hpa["spec"]["minReplicas"] >= 2
+    pdb = rendered.one("PodDisruptionBudget", gateway["metadata"]["name"])
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(gateway))
+    anti = pod_spec(gateway)["affinity"]["podAntiAffinity"]
+    (preferred,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = preferred["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(term["labelSelector"]["matchLabels"], pod_labels(gateway))
+    assert not selects(term["labelSelector"]["matchLabels"],
+                       pod_labels(rendered.deployment("decode")))  # fmt: skip
+    hard = pod_spec(render({"gateway": {"podAntiAffinity": "hard"}}).deployment("gateway"))
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in hard["affinity"]["podAntiAffinity"]
+    assert "affinity" not in pod_spec(render({"gateway": {"podAntiAffinity": "none"}}).deployment("gateway"))
+    # An affinity of the user's own replaces it; the workers get none unasked.
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "pool", "operator": "In", "values": ["edge"]}]}]}}}  # fmt: skip
+    assert pod_spec(render({"gateway": {"affinity": own}}).deployment("gateway"))["affinity"] == own
+    assert "affinity" not in pod_spec(rendered.deployment("decode"))
+
+
 def test_gpu_workers_request_gpus_and_run_the_cuda_image() -> None:
     rendered = render(VARIANTS["gpu"])
     for role in WORKER_ROLES:

@@ -358,6 +358,22 @@ tolerations:
 {{- with .values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- else }}
+{{- $spread := default "none" .values.podAntiAffinity }}
+{{- if ne $spread "none" }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "pdserve.selectorLabels" . | fromYaml)) }}
+affinity:
+  podAntiAffinity:
+    {{- if eq $spread "hard" }}
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - {{- toYaml $term | nindent 8 }}
+    {{- else }}
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          {{- toYaml $term | nindent 10 }}
+    {{- end }}
+{{- end }}
 {{- end }}
 {{- with .values.topologySpreadConstraints }}
 topologySpreadConstraints:
