@@ -71,6 +71,9 @@ class StackState:
     started_unix_s: float = 0.0
     http: str = ""  # the gateway's OpenAI-compatible API, "" when off
     kserve: str = ""  # the gateway's KServe v2 gRPC port, host:port, "" when off
+    # Every gateway's public endpoints, the first's first: {"grpc", "http", "kserve"}, each
+    # "" when off (gateway, http and kserve above are the first's).
+    gateway_endpoints: list[dict[str, str]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         """Written 0600: the Redis URL may carry a password."""
@@ -91,6 +94,7 @@ class StackState:
             started_unix_s=raw["started_unix_s"],
             http=raw.get("http", ""),
             kserve=raw.get("kserve", ""),
+            gateway_endpoints=raw.get("gateway_endpoints", []),
         )
 
     def alive(self) -> list[Child]:

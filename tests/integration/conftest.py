@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,6 +75,22 @@ class Stack:
 S = TypeVar("S", bound=Stack)
 
 
+def free_ports_in_a_row(count: int) -> int:
+    """The first of ``count`` consecutive ports, each free now (pdserve's free_port for the
+    first, so no later free_port hands it out)."""
+    while True:
+        first = free_port()
+        if count == 1:
+            return first
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+
+
 @contextlib.contextmanager
 def up_stack(
     smollm_dir: Path,
@@ -94,7 +111,9 @@ def up_stack(
     for key in env_drop:
         env.pop(key, None)
     env.update(env_extra or {})
-    port = free_port()
+    # --gateways N takes N ports in a row from --port.
+    gateways = int(up_args[up_args.index("--gateways") + 1]) if "--gateways" in up_args else 1
+    port = free_ports_in_a_row(gateways)
     stack = kind(f"127.0.0.1:{port}", run_dir, env, smollm_dir)
     started = stack.cli(
         "up", "--detach", "--port", str(port), "--http-port", "0", "--kserve-port", "0", "--prefill", "2", "--decode", "2",
@@ -145,7 +164,10 @@ def extra_gateway(
 
 @pytest.fixture(scope="session")
 def stack(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with up_stack(smollm_dir, tmp_path_factory, "stack", "--kv-cache-memory", "256MiB") as up:
+    # Two gateways, as a fleet runs them: tests use the first (target); the second takes
+    # the next port.
+    with up_stack(smollm_dir, tmp_path_factory, "stack", "--kv-cache-memory", "256MiB",
+                  "--gateways", "2") as up:  # fmt: skip
         yield up
 
 

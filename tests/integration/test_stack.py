@@ -10,6 +10,7 @@ import pytest
 from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
+from pdserve.cli.launcher import StackState
 from pdserve.client import GatewayClient, RemoteCompletion
 from tests.factories import hf_greedy
 from tests.integration.conftest import Stack
@@ -106,7 +107,9 @@ def test_cli_generate_and_status_json(stack: Stack) -> None:
     status = stack.cli("status", "--target", stack.target, "--json")
     workers = json.loads(status.stdout)
     roles = sorted(w["role"] for w in workers)
-    assert roles == ["blockstore", "decode", "decode", "gateway", "prefill", "prefill"]
+    # pdserve up --gateways 2: both gateways, each with its own pid.
+    assert roles == ["blockstore", "decode", "decode", "gateway", "gateway", "prefill", "prefill"]
+    assert sorted(w["id"] for w in workers if w["role"] == "gateway") == ["gateway-0", "gateway-1"]
     pids = {child.address: child.pid for child in stack.children().values()}
     for w in workers:
         assert set(w) >= {
@@ -124,6 +127,23 @@ def test_cli_generate_and_status_json(stack: Stack) -> None:
         # Each process's own pid, the one pdserve up started: a test or operator can signal it.
         assert w["pid"] == pids[w["address"]], w
         assert w["draining"] is False
+
+
+def test_the_second_gateway_takes_the_next_port_and_answers_alike(stack: Stack) -> None:
+    state = StackState.load(stack.run_dir / "stack.json")
+    assert state is not None and len(state.gateway_endpoints) == 2
+    first, second = state.gateway_endpoints
+    host, port = stack.target.rsplit(":", 1)
+    assert first["grpc"] == stack.target and second["grpc"] == f"{host}:{int(port) + 1}"
+    assert first["http"] == state.http and second["http"] not in ("", first["http"])
+    assert stack.children()["gateway-1"].address == second["grpc"]
+    answers = []
+    for target in (first["grpc"], second["grpc"]):
+        result = stack.cli("generate", "--target", target, "--json", "--max-tokens", "12",
+                           "Name a color.")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        answers.append(json.loads(result.stdout)["token_ids"])
+    assert answers[0] == answers[1] and len(answers[0]) > 0
 
 
 def test_tenants_with_different_salts_never_share_cached_prefixes(stack: Stack) -> None:

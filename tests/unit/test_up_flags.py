@@ -124,3 +124,21 @@ def test_block_store_flags_reach_pdserve_blockstore() -> None:
     assert config.disk_dir is not None and config.disk_dir.endswith("/kv-here")
     assert config.disk_dir.startswith("/")  # absolute: the child may run elsewhere
     assert _store_flags(parser.parse_args(["up"])) == []
+
+
+def test_gateways_take_the_metrics_ports_from_the_base_and_at_least_one_is_asked() -> None:
+    import argparse
+    import itertools
+
+    from pdserve.cli.commands.up import _metrics_ports
+
+    args = argparse.Namespace(metrics_port=9100, prefill=1, decode=2, no_blockstore=False,
+                              planner=False, gateways=3)  # fmt: skip
+    # Start order: block store, workers, then the gateways, which take the base.
+    ports = list(itertools.islice(_metrics_ports(args), 4 + 3))
+    assert ports == [9103, 9104, 9105, 9106, 9100, 9101, 9102]
+    assert len(set(ports)) == len(ports)
+    parser = build_parser()
+    assert parser.parse_args(["up", "--gateways", "2"]).gateways == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--gateways", "0"])

@@ -76,9 +76,23 @@ _GATEWAY_FLAGS = (
 )  # fmt: skip
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start redis, block store, workers and gateway here")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument(
+        "--gateways",
+        type=_at_least_one,
+        default=1,
+        help="gateways to start, each on the next port after the one before (--port, and the "
+        "HTTP and KServe ports when given): a client of several survives one's loss",
+    )
     up.add_argument(
         "--http-port",
         type=int,
@@ -330,8 +344,10 @@ def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
             yield 0
     num_others = args.prefill + args.decode + (0 if args.no_blockstore else 1)
     num_others += bool(getattr(args, "planner", False))
-    yield from range(args.metrics_port + 1, args.metrics_port + 1 + num_others)
-    yield args.metrics_port
+    gateways = getattr(args, "gateways", 1)
+    first_other = args.metrics_port + gateways
+    yield from range(first_other, first_other + num_others)
+    yield from range(args.metrics_port, args.metrics_port + gateways)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -415,31 +431,45 @@ def run_up(args: argparse.Namespace) -> int:
                         *_engine_flags(args, _WORKER_FLAGS), *_engine_flags(args, _DECODE_FLAGS),
                         *thread_flags]  # fmt: skip
                 workers.append(launch(f"{role}-{i}", role, argv, f"127.0.0.1:{port}"))
-        gateway_argv = [*python, "gateway", "--port", str(args.port), "--model", model,
-                        "--worker-id", "gateway-0", *_engine_flags(args, _GATEWAY_FLAGS),
-                        *_engine_flags(args, _FAILOVER_FLAGS)]  # fmt: skip
         public_ca: grpc.ChannelCredentials | None = None
+        public: TlsConfig | None = None
         if args.public_tls:
             if pki is None:
                 pki = Pki(run_dir() / "tls")
             public = pki.issue("gateway-public")
-            gateway_argv += ["--public-tls-cert", str(public.cert),
-                             "--public-tls-key", str(public.key)]  # fmt: skip
             public_ca = grpc.ssl_channel_credentials(public.ca.read_bytes())
-        if args.http_port >= 0:
-            http_port = args.http_port or free_port()
-            gateway_argv += ["--http-port", str(http_port)]
-            scheme = "https" if args.public_tls else "http"
-            state.http = f"{scheme}://127.0.0.1:{http_port}/v1"
-        else:
-            gateway_argv += ["--http-port", "-1"]
-        kserve_port = -1 if args.kserve_port < 0 else args.kserve_port or free_port()
-        gateway_argv += ["--kserve-port", str(kserve_port)]
-        if kserve_port >= 0:
-            state.kserve = f"127.0.0.1:{kserve_port}"
         keys = {"PDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}
-        gateway = launch("gateway", "gateway", gateway_argv, f"127.0.0.1:{args.port}", keys)
+        gateways: list[Child] = []
+        for i in range(args.gateways):
+            # The first is "gateway" (its log, `pdserve restart gateway`); the next ones
+            # take the ports after the first's.
+            name = "gateway" if i == 0 else f"gateway-{i}"
+            port = args.port + i
+            gateway_argv = [*python, "gateway", "--port", str(port), "--model", model,
+                            "--worker-id", f"gateway-{i}", *_engine_flags(args, _GATEWAY_FLAGS),
+                            *_engine_flags(args, _FAILOVER_FLAGS)]  # fmt: skip
+            if public is not None:
+                gateway_argv += ["--public-tls-cert", str(public.cert),
+                                 "--public-tls-key", str(public.key)]  # fmt: skip
+            endpoints = {"grpc": f"127.0.0.1:{port}", "http": "", "kserve": ""}
+            if args.http_port >= 0:
+                http_port = args.http_port + i if args.http_port else free_port()
+                gateway_argv += ["--http-port", str(http_port)]
+                scheme = "https" if args.public_tls else "http"
+                endpoints["http"] = f"{scheme}://127.0.0.1:{http_port}/v1"
+            else:
+                gateway_argv += ["--http-port", "-1"]
+            kserve_port = -1 if args.kserve_port < 0 else (
+                args.kserve_port + i if args.kserve_port else free_port())  # fmt: skip
+            gateway_argv += ["--kserve-port", str(kserve_port)]
+            if kserve_port >= 0:
+                endpoints["kserve"] = f"127.0.0.1:{kserve_port}"
+            gateways.append(launch(name, "gateway", gateway_argv, endpoints["grpc"], keys))
+            state.gateway_endpoints.append(endpoints)
+        gateway = gateways[0]
         state.gateway = gateway.address
+        state.http = state.gateway_endpoints[0]["http"]
+        state.kserve = state.gateway_endpoints[0]["kserve"]
         state.save(state_path)
         if args.planner:
             port = free_port()
@@ -448,8 +478,8 @@ def run_up(args: argparse.Namespace) -> int:
                             *_planner_flags(args)]  # fmt: skip
             workers.append(launch("planner", "planner", planner_argv, f"127.0.0.1:{port}"))
         internal = pki.client_credentials() if args.mtls and pki is not None else None
-        for child in [*workers, gateway]:
-            credentials = public_ca if child is gateway else internal
+        for child in [*workers, *gateways]:
+            credentials = public_ca if child in gateways else internal
             wait_serving(
                 child.address, processes.get(child.name), child, args.timeout_s, credentials
             )
@@ -466,6 +496,9 @@ def run_up(args: argparse.Namespace) -> int:
     http = f", OpenAI API {state.http}" if state.http else ""
     if state.kserve:
         http += f", KServe v2 gRPC {state.kserve}"
+    if len(state.gateway_endpoints) > 1:
+        others = ", ".join(e["grpc"] for e in state.gateway_endpoints[1:])
+        http += f"; more gateways {others} (each with its HTTP and KServe ports)"
     print(
         f"pdserve stack up: gateway {state.gateway}{http}, redis {redact(state.redis_url)}, "
         f"logs {logs}{security}",
