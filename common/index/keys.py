@@ -13,6 +13,8 @@
 | ``pdserve:v1:{model}:profile:{slug}`` | string | a measured ``WorkerProfile`` as JSON; ``slug`` = ``ProfileKey.slug()`` (model, weight format, threads, device) | TTL (30 days), renewed on put |
 | ``pdserve:v1:{model}:profiles`` | set | the slugs of the model's profiles (expired ones pruned on read) | TTL (30 days), renewed on put |
 | ``pdserve:v1:{model}:profile_lock:{slug}`` | string | the worker id measuring this profile now (the others wait for it) | TTL (the measurement's bound) |
+| ``pdserve:v1:{model}:resume:{id}`` | hash | a streamed request's record for resuming it on any gateway: ``request`` (what it asked, as sent to the workers), ``final`` (its last message, once finished) | TTL (the gateway's ``--resume-ttl-s``), renewed on each write |
+| ``pdserve:v1:{model}:resume:{id}:tokens`` | string | the tokens it has sent, uint32 little-endian, appended as they go | as its record |
 
 Expert load is per model, worker and decoder layer; the reader (``pdserve experts``) adds
 workers up. Memory is bounded: per worker and MoE layer at most ``windows + 1`` live window
@@ -85,6 +87,20 @@ def profiles(model: str) -> str:
 
 def profile_lock(model: str, slug: str) -> str:
     return f"{PREFIX}{_model(model)}:profile_lock:{_slug(slug)}"
+
+
+def _resume_id(resume_id: str) -> str:
+    if not resume_id or not all(c in "0123456789abcdef" for c in resume_id):
+        raise ValueError(f"resume id {resume_id!r} is not one a gateway made")
+    return resume_id
+
+
+def resume(model: str, resume_id: str) -> str:
+    return f"{PREFIX}{_model(model)}:resume:{_resume_id(resume_id)}"
+
+
+def resume_tokens(model: str, resume_id: str) -> str:
+    return f"{resume(model, resume_id)}:tokens"
 
 
 def expert_field(phase: int, expert: int) -> str:

@@ -58,6 +58,9 @@ class GatewayConfig:
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     drain_grace_s: float = 10.0
+    # How long after its last message a streamed request can be resumed on any gateway
+    # (services/gateway/resume.py: its record in Redis lives that long); 0 = no records.
+    resume_ttl_s: float = 300.0
     worker_id: str | None = None
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0 = off
     # The OpenAI-compatible HTTP API on host:http_port (0: a free port); None = off.
@@ -87,6 +90,8 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.resume_ttl_s < 0:
+            raise ValueError(f"resume_ttl_s must be >= 0 (0 = off), got {self.resume_ttl_s}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_timeout_s < 0:

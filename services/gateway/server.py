@@ -54,7 +54,8 @@ async def start_gateway(
     holder: list[GatewayServicer] = []
 
     def register(server: grpc.aio.Server) -> None:
-        servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "", metrics)
+        servicer = GatewayServicer(config, tokenizer, spec, directory, index, "", "", metrics,
+                                   resume_redis=client)  # fmt: skip
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             AdminServicer(servicer, config.admin_tenants), server

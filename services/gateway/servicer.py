@@ -48,6 +48,14 @@ from services.gateway.leases import LeaseReturns
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_call import PrefillCaller, RoutedRequest
 from services.gateway.relay import Relay
+from services.gateway.resume import (
+    ResumeMetrics,
+    ResumeRecord,
+    ResumeStore,
+    check_resume,
+    make_token,
+    parse_token,
+)
 from services.gateway.routing import Route, Router
 from services.gateway.status import ENGINE_ROLES, cluster_status
 from services.gateway.telemetry import describe_request, record_request, route_attributes
@@ -73,8 +81,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         address: str,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        resume_redis: Any = None,
     ) -> None:
-        """``clock``: the circuit breakers' (tests move it instead of waiting cool-downs)."""
+        """``clock``: the circuit breakers' (tests move it instead of waiting cool-downs);
+        ``resume_redis``: the Redis client of the resume records (None: no records, no
+        resume tokens)."""
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
@@ -131,6 +142,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.num_in_flight = 0
         metrics.num_requests_running.set_function(lambda: self.num_in_flight)
         self._request_ids: set[str] = set()  # of the requests in flight
+        # Every streamed request's record, for resuming it on any gateway (resume.py).
+        self.resume = ResumeStore(
+            resume_redis, self.model, config.resume_ttl_s if resume_redis is not None else 0.0,
+            ResumeMetrics(metrics.registry),
+        )  # fmt: skip
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
@@ -199,12 +215,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._check_model(request.model)
         tenant = self._tenant(context)
         limit = await self.context_limit()
-        check_sizes(request, limit)
+        resuming = request.HasField("resume")
+        if not resuming:
+            check_sizes(request, limit)
         ticket = self.admission.admit(tenant or "", estimate_prompt_tokens(request))
         try:
-            async with contextlib.aclosing(
-                self._generate(request, context, ticket, tenant, limit)
-            ) as messages:
+            run = (
+                self._resumed(request, context, ticket, tenant, limit)
+                if resuming
+                else self._generate(request, context, ticket, tenant, limit)
+            )
+            async with contextlib.aclosing(run) as messages:
                 async for message in messages:
                     if message.token_ids:
                         ticket.prefilled()
@@ -270,6 +291,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._request_ids.add(request_id)
         route: Route | None = None
         failure: BaseException | None = None
+        resume_id = ""
+        if self.resume.enabled:
+            resume_id = self.resume.begin(_worker_request(request_id, prompt, sampling, salt))
         try:
             # Prompt logprobs are computed from every position: no cached prefix counts.
             reuse = sampling.prompt_logprobs is None
@@ -280,6 +304,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             routed = RoutedRequest(route, overlap, relay, sampling, salt, context)
             async with contextlib.aclosing(self._run(routed)) as messages:
                 async for message in messages:
+                    self._stamp(resume_id, relay, message)
                     yield message
         except BaseException as exc:
             failure = exc
@@ -287,18 +312,123 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         finally:
             self.num_in_flight -= 1
             self._request_ids.discard(request_id)
+            if resume_id:
+                self.resume.forget(resume_id)
+            record_request(span, self.metrics, relay, route, failure)
+            failure = None  # no frame <-> traceback cycle
+
+    def _stamp(self, resume_id: str, relay: Relay, message: gateway_pb2.GenerateResponse) -> None:
+        """A message's resume token, and its tokens (and end) into the request's record."""
+        if not resume_id:
+            return
+        message.resume_token = make_token(resume_id, len(relay.generated))
+        self.resume.sent(resume_id, list(message.token_ids))
+        if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self.resume.finished(resume_id, message)
+
+    async def _resumed(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: Call,
+        ticket: Ticket,
+        tenant: str | None,
+        limit: int,
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """A broken stream continued (GenerateRequest.resume): the request as its record
+        says, after the tokens the client received. A finished request returns its end;
+        else a decode worker continues it as a migration does (local prefill of prompt and
+        tokens, the block store's KV reused, sampling at the next output position)."""
+        span = trace.get_current_span()
+        resume_id, _ = parse_token(request.resume.resume_token)
+        salt = tenant_cache_salt(tenant, request.cache_salt) or ""
+        received = list(request.resume.token_ids)
+        record: ResumeRecord | None = None
+        if self.resume.enabled:
+            try:
+                record = await self.resume.load(resume_id)
+            except Exception as exc:
+                raise UnavailableError(f"the resume records (Redis) cannot be read: {exc}") from exc
+        outcomes = self.resume.metrics.resumes if self.resume.metrics is not None else None
+        try:
+            record = check_resume(record, salt, received)
+        except NotFoundError:
+            if outcomes is not None:
+                outcomes.labels("not_found").inc()
+            raise
+        except InvalidRequestError:
+            if outcomes is not None:
+                outcomes.labels("mismatch").inc()
+            raise
+        stored = record.request
+        request_id = stored.request_id
+        bind_request_id(request_id)
+        prompt = list(stored.prompt_token_ids)
+        ticket.account(len(prompt))
+        sampling = SamplingParams.from_pb(stored.sampling, max(1, limit - len(prompt)))
+        relay = Relay(
+            request_id,
+            prompt,
+            IncrementalDetokenizer(
+                self.tokenizer, prompt, sampling.stop, min_tokens=sampling.min_tokens
+            ),
+            self.metrics.requests,
+        )
+        relay.detok.add(received)  # the text the client has, held-back tail included
+        relay.generated = list(received)
+        relay.cached_tokens = len(prompt)  # its prompt's KV was computed before
+        span.set_attribute("pdserve.resume.tokens_received", len(received))
+        if record.final is not None:  # it finished: its end, nothing generated again
+            if outcomes is not None:
+                outcomes.labels("finished").inc()
+            end = relay.message(record.tokens[len(received):], [])
+            end.text += relay.detok.flush()
+            end.finish_reason = record.final.finish_reason
+            end.usage.CopyFrom(record.final.usage)
+            end.timings.CopyFrom(record.final.timings)
+            end.resume_token = make_token(resume_id, len(relay.generated))
+            yield end
+            return
+        if outcomes is not None:
+            outcomes.labels("continued").inc()
+        self.resume.adopt(resume_id, received[len(record.tokens):])
+        self.num_in_flight += 1
+        route: Route | None = None
+        failure: BaseException | None = None
+        try:
+            route, _ = await self._route(request_id, prompt + received, salt or None,
+                                         decode_only=True)  # fmt: skip
+            span.set_attributes(route_attributes(route))
+            decode_request = decode_pb2.DecodeRequest()
+            decode_request.CopyFrom(stored)
+            decode_request.local_prefill = True
+            decode_request.generated_token_ids[:] = received
+            if received:  # the first message carried the prompt logprobs
+                decode_request.sampling.ClearField("prompt_logprobs")
+            decode = self.decoder.stream(route.decode, decode_request, relay, sampling, context)
+            async with contextlib.aclosing(decode) as replies:
+                async for reply in replies:
+                    self._stamp(resume_id, relay, reply)
+                    yield reply
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self.num_in_flight -= 1
+            self.resume.forget(resume_id)
             record_request(span, self.metrics, relay, route, failure)
             failure = None  # no frame <-> traceback cycle
 
     async def _route(
-        self, request_id: str, prompt: list[int], salt: str | None, reuse_prefix: bool = True
-    ) -> tuple[Route, dict[str, int]]:
+        self, request_id: str, prompt: list[int], salt: str | None, reuse_prefix: bool = True,
+        decode_only: bool = False,
+    ) -> tuple[Route, dict[str, int]]:  # fmt: skip
         """The route, and the prefix overlap per location it was chosen on. Without Redis
         (index lookups fail, or are skipped while it is down) the overlap is empty: routing
         goes by load on the last worker list read; so it is for a request that reuses no
         cached prefix (``reuse_prefix`` False: prompt logprobs)."""
         with tracer().start_as_current_span("route") as span:
-            prefills = await self.directory.by_role("prefill", self.model)
+            # decode_only: a request whose decode worker computes what the cache lacks.
+            prefills = [] if decode_only else await self.directory.by_role("prefill", self.model)
             decodes = await self.directory.by_role("decode", self.model)
             weights = self.router.weight_format(request_id, decodes)
             prefills = [w for w in prefills if w.weights == weights]
@@ -345,12 +475,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Prefill (with failover), then decode (with migration); the prefill's lease goes
         to the decode hop, or back to its producer when the request ends before that."""
         route, relay, sampling = routed.route, routed.relay, routed.sampling
-        decode_request = decode_pb2.DecodeRequest(
-            request_id=relay.request_id,
-            prompt_token_ids=relay.prompt,
-            cache_salt=routed.salt or "",
-        )
-        sampling.to_pb(decode_request.sampling)
+        decode_request = _worker_request(relay.request_id, relay.prompt, sampling, routed.salt)
         first: gateway_pb2.GenerateResponse | None = None
         prefilled = None
         if route.prefill is not None:
@@ -460,9 +585,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     async def close(self) -> None:
+        await self.resume.close()
         await self.leases.close()
         await self.channels.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _worker_request(
+    request_id: str, prompt: list[int], sampling: SamplingParams, salt: str | None
+) -> decode_pb2.DecodeRequest:
+    """The request as the workers see it (what a resume record keeps)."""
+    request = decode_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt, cache_salt=salt or ""
+    )
+    sampling.to_pb(request.sampling)
+    return request
 
 
 def _first_logprob(response: prefill_pb2.PrefillResponse) -> list[common_pb2.TokenLogprob]:

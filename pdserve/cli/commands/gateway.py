@@ -92,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="times a request whose decode stream breaks continues on another decode worker",
     )
+    parser.add_argument(
+        "--resume-ttl-s",
+        type=float,
+        default=300.0,
+        help="how long after its last message a broken stream can be resumed on any gateway "
+        "(its record in Redis lives that long); 0 = no resume records",
+    )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
     add_admission_args(parser)
@@ -192,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=tls_from_args(args),
         public_tls=PublicTls.from_flags(args.public_tls_cert, args.public_tls_key),
         max_migrations=args.max_migrations,
+        resume_ttl_s=args.resume_ttl_s,
         worker_id=args.worker_id,
         drain_grace_s=args.drain_grace_s,
         metrics_port=args.metrics_port,

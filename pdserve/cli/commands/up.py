@@ -73,6 +73,7 @@ _ENGINE_FLAGS = (
 _GATEWAY_FLAGS = (
     "local_prefill_tokens", "block_size", "max_in_flight", "max_in_flight_per_tenant",
     "max_queued_prompt_tokens", "max_queued_prompt_tokens_per_tenant", "api_keys_file",
+    "resume_ttl_s",
 )  # fmt: skip
 
 
@@ -147,6 +148,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--api-keys-file", default=None, help="the gateway's 'KEY TENANT' lines")
     up.add_argument("--max-in-flight", type=int, default=None, help="gateway admission bound")
+    up.add_argument("--resume-ttl-s", type=float, default=None,
+                    help="gateways: how long a broken stream can be resumed (see pdserve gateway)")  # fmt: skip
     up.add_argument("--max-in-flight-per-tenant", type=int, default=None)
     up.add_argument("--max-queued-prompt-tokens", type=int, default=None)
     up.add_argument("--max-queued-prompt-tokens-per-tenant", type=int, default=None)

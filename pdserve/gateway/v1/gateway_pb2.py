@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.common.v1 import common_pb2 as pdserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/gateway/v1/gateway.proto\x12\x12pdserve.gateway.v1\x1a\x1epdserve/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"A\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.pdserve.gateway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .pdserve.gateway.v1.ChatMessagesH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1c.pdserve.gateway.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05input\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.pdserve.common.v1.Usage\x12,\n\x07timings\x18\x07 \x01(\x0b\x32\x1b.pdserve.gateway.v1.Timings\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xce\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x1b\n\x13hash_scheme_version\x18\x08 \x01(\r\"\xa6\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .pdserve.gateway.v1.ChatMessagesH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x19\n\x17GetClusterStatusRequest\"\xc0\x01\n\x18GetClusterStatusResponse\x12\x30\n\x07workers\x18\x01 \x03(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus\x12=\n\rrouting_index\x18\x02 \x01(\x0b\x32&.pdserve.gateway.v1.RoutingIndexStatus\x12\x33\n\x08\x63ircuits\x18\x03 \x03(\x0b\x32!.pdserve.gateway.v1.CircuitStatus\"Y\n\x12RoutingIndexStatus\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12!\n\x19unavailable_since_unix_ms\x18\x03 \x01(\x04\"q\n\rCircuitStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .pdserve.gateway.v1.CircuitState\x12\x1c\n\x14\x63onsecutive_failures\x18\x03 \x01(\r*|\n\x0c\x43ircuitState\x12\x1d\n\x19\x43IRCUIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43IRCUIT_STATE_CLOSED\x10\x01\x12\x16\n\x12\x43IRCUIT_STATE_OPEN\x10\x02\x12\x1b\n\x17\x43IRCUIT_STATE_HALF_OPEN\x10\x03\x32\x92\x03\n\x0eGatewayService\x12W\n\x08Generate\x12#.pdserve.gateway.v1.GenerateRequest\x1a$.pdserve.gateway.v1.GenerateResponse0\x01\x12\x61\n\x0cGetModelInfo\x12\'.pdserve.gateway.v1.GetModelInfoRequest\x1a(.pdserve.gateway.v1.GetModelInfoResponse\x12U\n\x08Tokenize\x12#.pdserve.gateway.v1.TokenizeRequest\x1a$.pdserve.gateway.v1.TokenizeResponse\x12m\n\x10GetClusterStatus\x12+.pdserve.gateway.v1.GetClusterStatusRequest\x1a,.pdserve.gateway.v1.GetClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdserve/gateway/v1/gateway.proto\x12\x12pdserve.gateway.v1\x1a\x1epdserve/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"A\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.pdserve.gateway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc7\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .pdserve.gateway.v1.ChatMessagesH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1c.pdserve.gateway.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pdserve.common.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12.\n\x06resume\x18\t \x01(\x0b\x32\x1e.pdserve.gateway.v1.ResumeFromB\x07\n\x05input\"5\n\nResumeFrom\x12\x14\n\x0cresume_token\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xd9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.pdserve.common.v1.FinishReason\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.pdserve.common.v1.Usage\x12,\n\x07timings\x18\x07 \x01(\x0b\x32\x1b.pdserve.gateway.v1.Timings\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pdserve.common.v1.TokenLogprob\x12\x14\n\x0cresume_token\x18\t \x01(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xce\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x1b\n\x13hash_scheme_version\x18\x08 \x01(\r\"\xa6\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .pdserve.gateway.v1.ChatMessagesH\x00\x12\x14\n\nraw_prompt\x18\x03 \x01(\tH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x19\n\x17GetClusterStatusRequest\"\xc0\x01\n\x18GetClusterStatusResponse\x12\x30\n\x07workers\x18\x01 \x03(\x0b\x32\x1f.pdserve.common.v1.WorkerStatus\x12=\n\rrouting_index\x18\x02 \x01(\x0b\x32&.pdserve.gateway.v1.RoutingIndexStatus\x12\x33\n\x08\x63ircuits\x18\x03 \x03(\x0b\x32!.pdserve.gateway.v1.CircuitStatus\"Y\n\x12RoutingIndexStatus\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12!\n\x19unavailable_since_unix_ms\x18\x03 \x01(\x04\"q\n\rCircuitStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .pdserve.gateway.v1.CircuitState\x12\x1c\n\x14\x63onsecutive_failures\x18\x03 \x01(\r*|\n\x0c\x43ircuitState\x12\x1d\n\x19\x43IRCUIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43IRCUIT_STATE_CLOSED\x10\x01\x12\x16\n\x12\x43IRCUIT_STATE_OPEN\x10\x02\x12\x1b\n\x17\x43IRCUIT_STATE_HALF_OPEN\x10\x03\x32\x92\x03\n\x0eGatewayService\x12W\n\x08Generate\x12#.pdserve.gateway.v1.GenerateRequest\x1a$.pdserve.gateway.v1.GenerateResponse0\x01\x12\x61\n\x0cGetModelInfo\x12\'.pdserve.gateway.v1.GetModelInfoRequest\x1a(.pdserve.gateway.v1.GetModelInfoResponse\x12U\n\x08Tokenize\x12#.pdserve.gateway.v1.TokenizeRequest\x1a$.pdserve.gateway.v1.TokenizeResponse\x12m\n\x10GetClusterStatus\x12+.pdserve.gateway.v1.GetClusterStatusRequest\x1a,.pdserve.gateway.v1.GetClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.gateway.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CIRCUITSTATE']._serialized_start=1797
-  _globals['_CIRCUITSTATE']._serialized_end=1921
+  _globals['_CIRCUITSTATE']._serialized_start=1922
+  _globals['_CIRCUITSTATE']._serialized_end=2046
   _globals['_CHATMESSAGE']._serialized_start=88
   _globals['_CHATMESSAGE']._serialized_end=132
   _globals['_CHATMESSAGES']._serialized_start=134
@@ -41,27 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=201
   _globals['_TOKENIDS']._serialized_end=224
   _globals['_GENERATEREQUEST']._serialized_start=227
-  _globals['_GENERATEREQUEST']._serialized_end=506
-  _globals['_TIMINGS']._serialized_start=508
-  _globals['_TIMINGS']._serialized_end=570
-  _globals['_GENERATERESPONSE']._serialized_start=573
-  _globals['_GENERATERESPONSE']._serialized_end=896
-  _globals['_GETMODELINFOREQUEST']._serialized_start=898
-  _globals['_GETMODELINFOREQUEST']._serialized_end=934
-  _globals['_GETMODELINFORESPONSE']._serialized_start=937
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1143
-  _globals['_TOKENIZEREQUEST']._serialized_start=1146
-  _globals['_TOKENIZEREQUEST']._serialized_end=1312
-  _globals['_TOKENIZERESPONSE']._serialized_start=1314
-  _globals['_TOKENIZERESPONSE']._serialized_end=1367
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1369
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1394
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1397
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1589
-  _globals['_ROUTINGINDEXSTATUS']._serialized_start=1591
-  _globals['_ROUTINGINDEXSTATUS']._serialized_end=1680
-  _globals['_CIRCUITSTATUS']._serialized_start=1682
-  _globals['_CIRCUITSTATUS']._serialized_end=1795
-  _globals['_GATEWAYSERVICE']._serialized_start=1924
-  _globals['_GATEWAYSERVICE']._serialized_end=2326
+  _globals['_GENERATEREQUEST']._serialized_end=554
+  _globals['_RESUMEFROM']._serialized_start=556
+  _globals['_RESUMEFROM']._serialized_end=609
+  _globals['_TIMINGS']._serialized_start=611
+  _globals['_TIMINGS']._serialized_end=673
+  _globals['_GENERATERESPONSE']._serialized_start=676
+  _globals['_GENERATERESPONSE']._serialized_end=1021
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1023
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1059
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1062
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1268
+  _globals['_TOKENIZEREQUEST']._serialized_start=1271
+  _globals['_TOKENIZEREQUEST']._serialized_end=1437
+  _globals['_TOKENIZERESPONSE']._serialized_start=1439
+  _globals['_TOKENIZERESPONSE']._serialized_end=1492
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1494
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1519
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1522
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1714
+  _globals['_ROUTINGINDEXSTATUS']._serialized_start=1716
+  _globals['_ROUTINGINDEXSTATUS']._serialized_end=1805
+  _globals['_CIRCUITSTATUS']._serialized_start=1807
+  _globals['_CIRCUITSTATUS']._serialized_end=1920
+  _globals['_GATEWAYSERVICE']._serialized_start=2049
+  _globals['_GATEWAYSERVICE']._serialized_end=2451
 # @@protoc_insertion_point(module_scope)

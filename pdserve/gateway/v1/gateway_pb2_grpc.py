@@ -91,13 +91,26 @@ class GatewayServiceServicer:
         If a decode worker fails mid-stream, the gateway resumes the request on
         another one; the client sees one stream with no token lost or repeated.
 
+        If the connection breaks (the gateway died, the network dropped), the
+        client resumes: it sends the request again, to any gateway of the same
+        cluster, with resume set (the last resume_token it received and every
+        token id received so far). The stream continues from there with no token
+        lost or repeated: greedy and seeded requests produce exactly the tokens
+        the unbroken stream would have; the KV cached so far is reused. A
+        request can be resumed while the gateway keeps its record (its
+        --resume-ttl-s after its last message); a finished one returns its end.
+
         Status codes:
         OK: generation finished; the last message has finish_reason set.
         INVALID_ARGUMENT: bad input; the message names the field (input
         unset or empty, a token id outside the vocabulary, a prompt that
         fills the context window, sampling values out of range such as
         sampling.prompt_logprobs above 20, ...).
-        NOT_FOUND: model names a model this cluster does not serve.
+        NOT_FOUND: model names a model this cluster does not serve; or a
+        resume names a request this cluster holds no record of (unknown,
+        expired, or another tenant's: indistinguishable on purpose).
+        INVALID_ARGUMENT also: a resume whose token_ids differ from what the
+        request produced; the message names the first such position.
         ALREADY_EXISTS: a request with this request_id is in flight.
         FAILED_PRECONDITION: prompt or messages given for a model that has no
         chat template.
@@ -129,7 +142,11 @@ class GatewayServiceServicer:
 
         Status codes:
         OK: the model is served.
-        NOT_FOUND: model names a model this cluster does not serve.
+        NOT_FOUND: model names a model this cluster does not serve; or a
+        resume names a request this cluster holds no record of (unknown,
+        expired, or another tenant's: indistinguishable on purpose).
+        INVALID_ARGUMENT also: a resume whose token_ids differ from what the
+        request produced; the message names the first such position.
         UNAUTHENTICATED: as for Generate.
         CANCELLED, DEADLINE_EXCEEDED: as for any call.
         """
@@ -143,7 +160,11 @@ class GatewayServiceServicer:
         Status codes:
         OK: the input was tokenized.
         INVALID_ARGUMENT: input unset; the message names the field.
-        NOT_FOUND: model names a model this cluster does not serve.
+        NOT_FOUND: model names a model this cluster does not serve; or a
+        resume names a request this cluster holds no record of (unknown,
+        expired, or another tenant's: indistinguishable on purpose).
+        INVALID_ARGUMENT also: a resume whose token_ids differ from what the
+        request produced; the message names the first such position.
         FAILED_PRECONDITION: prompt or messages given for a model that has no
         chat template.
         UNAUTHENTICATED: as for Generate.

@@ -1,0 +1,133 @@
+"""A stream survives its gateway: a gateway of the stack is SIGKILLed mid-stream and the
+client resumes on another gateway (GenerateRequest.resume) with the tokens it received;
+the stream goes on with exactly the tokens the unbroken one produces, the old decode
+worker frees the orphaned request, and a resume is bound to its caller."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import grpc
+import pytest
+
+from common.contract.sampling import SamplingParams
+from pdserve.client import GatewayClient
+from pdserve.gateway.v1 import gateway_pb2
+from tests.integration.conftest import Stack, extra_gateway
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MAX_TOKENS = 64
+KILL_AFTER = 16
+
+
+async def stream(target: str, sampling: SamplingParams, salt: str = "",
+                 resume: gateway_pb2.ResumeFrom | None = None,
+                 stop_after: int | None = None) -> list[gateway_pb2.GenerateResponse]:  # fmt: skip
+    """The messages of one Generate call; with ``stop_after``, those until that many tokens
+    came (the call is then left for the caller to break)."""
+    client = GatewayClient(target)
+    request = gateway_pb2.GenerateRequest(prompt=PROMPT, cache_salt=salt)
+    sampling.to_pb(request.sampling)
+    if resume is not None:
+        request.resume.CopyFrom(resume)
+    messages: list[gateway_pb2.GenerateResponse] = []
+    try:
+        call = client.stub.Generate(request, timeout=120)
+        async for message in call:
+            messages.append(message)
+            if stop_after is not None and sum(len(m.token_ids) for m in messages) >= stop_after:
+                return messages
+    finally:
+        await client.close()
+    return messages
+
+
+def tokens_of(messages: list[gateway_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def text_of(messages: list[gateway_pb2.GenerateResponse]) -> str:
+    return "".join(m.text for m in messages)
+
+
+def resume_from(messages: list[gateway_pb2.GenerateResponse]) -> gateway_pb2.ResumeFrom:
+    return gateway_pb2.ResumeFrom(
+        resume_token=messages[-1].resume_token, token_ids=tokens_of(messages)
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True
+        ),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_stream_resumes_on_another_gateway_after_its_own_is_killed(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, sampling: SamplingParams
+) -> None:
+    reference = asyncio.run(stream(stack.target, sampling))
+    assert len(tokens_of(reference)) == MAX_TOKENS
+    assert all(m.resume_token for m in reference)
+    with extra_gateway(stack, tmp_path_factory, "gateway-doomed") as doomed:
+        received = asyncio.run(stream(doomed.child.address, sampling, stop_after=KILL_AFTER))
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=30)
+    resumed = asyncio.run(stream(stack.target, sampling, resume=resume_from(received)))
+    assert tokens_of(received) + tokens_of(resumed) == tokens_of(reference)
+    assert text_of(received) + text_of(resumed) == text_of(reference)
+    last = resumed[-1]
+    assert last.finish_reason == reference[-1].finish_reason
+    assert last.usage.completion_tokens == MAX_TOKENS
+    # The killed gateway's decode call ended with its connection: nothing stays held.
+    stack.wait_all_free()
+
+
+def test_a_finished_request_resumed_returns_its_end_and_generates_nothing(stack: Stack) -> None:
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = asyncio.run(stream(stack.target, sampling))
+    tokens = tokens_of(whole)
+    cut = next(i for i in range(1, len(whole)) if len(tokens_of(whole[:i])) >= 5)
+    resume = gateway_pb2.ResumeFrom(resume_token=whole[cut - 1].resume_token,
+                                    token_ids=tokens_of(whole[:cut]))  # fmt: skip
+    end = asyncio.run(stream(stack.target, sampling, resume=resume))
+    assert len(end) == 1 and tokens_of(whole[:cut]) + list(end[0].token_ids) == tokens
+    assert text_of(whole[:cut]) + end[0].text == text_of(whole)
+    assert end[0].finish_reason == whole[-1].finish_reason
+    assert end[0].usage.completion_tokens == len(tokens)
+
+
+def call_error(coroutine: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        asyncio.run(coroutine)
+    return error.value
+
+
+def test_a_resume_is_refused_for_strangers_and_for_altered_tokens(stack: Stack) -> None:
+    sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    whole = asyncio.run(stream(stack.target, sampling, salt="tenant-a"))
+    tokens = tokens_of(whole)
+    token = whole[-1].resume_token
+    # Another cache salt (another tenant's), an unknown request: NOT_FOUND alike.
+    foreign = call_error(stream(stack.target, sampling, salt="tenant-b",
+                                resume=gateway_pb2.ResumeFrom(resume_token=token,
+                                                              token_ids=tokens[:3])))  # fmt: skip
+    unknown = call_error(stream(stack.target, sampling, salt="tenant-a",
+                                resume=gateway_pb2.ResumeFrom(resume_token=f"{'0' * 32}.3",
+                                                              token_ids=tokens[:3])))  # fmt: skip
+    assert foreign.code() == unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert foreign.details() == unknown.details()
+    altered = [*tokens[:4], (tokens[4] + 1) % 1000, *tokens[5:7]]
+    mismatch = call_error(stream(stack.target, sampling, salt="tenant-a",
+                                 resume=gateway_pb2.ResumeFrom(resume_token=token,
+                                                               token_ids=altered)))  # fmt: skip
+    assert mismatch.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resume.token_ids" in mismatch.details() and "position 4" in mismatch.details()
+    garbage = call_error(stream(stack.target, sampling, salt="tenant-a",
+                                resume=gateway_pb2.ResumeFrom(resume_token="nonsense")))  # fmt: skip
+    assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
