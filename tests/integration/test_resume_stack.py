@@ -6,7 +6,10 @@ worker frees the orphaned request, and a resume is bound to its caller."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import grpc
@@ -16,6 +19,7 @@ from common.contract.sampling import SamplingParams
 from pdserve.client import GatewayClient
 from pdserve.gateway.v1 import gateway_pb2
 from tests.integration.conftest import Stack, extra_gateway
+from tests.polling import settle
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MAX_TOKENS = 64
@@ -131,3 +135,59 @@ def test_a_resume_is_refused_for_strangers_and_for_altered_tokens(stack: Stack) 
     garbage = call_error(stream(stack.target, sampling, salt="tenant-a",
                                 resume=gateway_pb2.ResumeFrom(resume_token="nonsense")))  # fmt: skip
     assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_client_resumes_on_its_next_target_by_itself(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = asyncio.run(stream(stack.target, sampling))
+
+    async def through(targets: str, kill: Any) -> tuple[list[gateway_pb2.GenerateResponse], int]:
+        client = GatewayClient(targets)
+        messages: list[gateway_pb2.GenerateResponse] = []
+        try:
+            async for message in client.generate(prompt=PROMPT, sampling=sampling,
+                                                 timeout_s=120):  # fmt: skip
+                messages.append(message)
+                if len(tokens_of(messages)) >= KILL_AFTER:
+                    kill()
+        finally:
+            await client.close()
+        return messages, client.num_resumes
+
+    with extra_gateway(stack, tmp_path_factory, "gateway-doomed-2") as doomed:
+
+        def kill() -> None:
+            if doomed.process.poll() is None:
+                doomed.process.send_signal(signal.SIGKILL)
+                doomed.process.wait(timeout=30)
+
+        messages, resumes = asyncio.run(through(f"{doomed.child.address},{stack.target}", kill))
+    assert resumes == 1
+    assert tokens_of(messages) == tokens_of(reference)
+    assert text_of(messages) == text_of(reference)
+    stack.wait_all_free()
+
+
+def test_pdserve_generate_with_two_targets_survives_the_first(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    args = ["--json", "--max-tokens", "160", "--ignore-eos", PROMPT]
+    reference = stack.cli("generate", "--target", stack.target, *args)
+    assert reference.returncode == 0, reference.stderr
+    with extra_gateway(stack, tmp_path_factory, "gateway-doomed-3") as doomed:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "generate", "--target",
+             f"{doomed.child.address},{stack.target}", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=stack.env,
+        )  # fmt: skip
+        # Killed once its stream runs: its decode worker holds the request.
+        settle(lambda: [w["running"] for w in stack.workers() if w["role"] == "decode"],
+               lambda running: sum(running) > 0, 60.0)  # fmt: skip
+        doomed.process.send_signal(signal.SIGKILL)
+        out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    mine, theirs = json.loads(out), json.loads(reference.stdout)
+    assert mine["token_ids"] == theirs["token_ids"] and mine["text"] == theirs["text"]
+    stack.wait_all_free()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 import grpc
 
@@ -23,8 +24,9 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams) -> int:
 
     async def one(prompt: str) -> RemoteCompletion:
         result = RemoteCompletion()
-        kwargs = {"raw_prompt": prompt} if args.raw else {"prompt": prompt}
-        async for message in client.stream(sampling=sampling, **kwargs):  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = {"raw_prompt": prompt} if args.raw else {"prompt": prompt}
+        # generate(): a stream whose gateway dies resumes on the next --target.
+        async for message in client.generate(sampling=sampling, **kwargs):
             collect(result, message)
             if stream_text:
                 print(message.text, end="", flush=True)
