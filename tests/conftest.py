@@ -12,14 +12,21 @@ import torch
 torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``stack`` on every test under tests/integration (each starts real processes, most a
     whole ``pdserve up`` with its redis-server), so ``pytest -m "not stack"`` is the quick
-    loop; ``redis`` and ``gpu`` are marked where the tests are."""
+    loop; ``redis`` and ``gpu`` are marked where the tests are. ``container`` tests (the
+    image built with podman and the chart's pods run from it, about 25 minutes on 2 cores)
+    run only when a ``-m`` expression names them: ``pytest -m container``."""
+    containers_chosen = "container" in (config.getoption("markexpr") or "")
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.stack)
             item.add_marker(pytest.mark.redis)
+        if "container" in item.keywords and not containers_chosen:
+            item.add_marker(pytest.mark.skip(
+                reason="builds the image and runs the chart with podman (about 25 minutes): "
+                "run it with -m container"))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
