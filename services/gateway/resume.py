@@ -206,6 +206,20 @@ class ResumeStore:
         if writer.done:
             self._writers.pop(resume_id, None)
 
+    async def flushed(self, resume_id: str, timeout_s: float) -> bool:
+        """Waits (at most ``timeout_s``) until what the request has sent is written: for a
+        front door whose client resumes by position alone (server-sent events), so that a
+        resume never names tokens the record lacks. False if the wait ran out."""
+        writer = self._writers.get(resume_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while writer is not None and writer.task is not None and not writer.task.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            await asyncio.wait({writer.task}, timeout=remaining)
+        return True
+
     def forget(self, resume_id: str) -> None:
         """The request ended without a final message (an error, a cancellation): its writes
         finish, and the record stays for a resume until its TTL."""
@@ -238,13 +252,23 @@ class ResumeStore:
 
 
 def check_resume(
-    record: ResumeRecord | None, salt: str, received: list[int]
-) -> ResumeRecord:
-    """The record a resume may continue: NOT_FOUND when there is none for this caller (the
-    salt binds the tenant and the cache salt); INVALID_ARGUMENT naming the first position
-    where the client's tokens differ from those the request sent."""
+    record: ResumeRecord | None, salt: str, received: list[int], position: int = 0
+) -> tuple[ResumeRecord, list[int]]:
+    """The record a resume may continue, and the tokens it continues after: the client's,
+    or (a client that sent none: server-sent events) the record's first ``position``.
+    NOT_FOUND when there is no record for this caller (the salt binds the tenant and the
+    cache salt); INVALID_ARGUMENT naming the first position where the client's tokens
+    differ from those the request sent."""
     if record is None or record.request.cache_salt != salt:
         raise NotFoundError(NO_RECORD)
+    if not received and position:
+        if position > len(record.tokens):
+            raise InvalidRequestError(
+                "resume.resume_token",
+                f"it names {position} tokens sent; the record holds {len(record.tokens)}: "
+                "send the token ids received (resume.token_ids)",
+            )
+        received = record.tokens[:position]
     for position, (theirs, ours) in enumerate(zip(received, record.tokens, strict=False)):
         if theirs != ours:
             raise InvalidRequestError(
@@ -256,4 +280,4 @@ def check_resume(
             "resume.token_ids",
             f"{len(received)} tokens given; the request ended after {len(record.tokens)}",
         )
-    return record
+    return record, received

@@ -62,6 +62,10 @@ from services.gateway.telemetry import describe_request, record_request, route_a
 
 log = logging.getLogger(__name__)
 
+# How long a message may wait for its tokens to reach the resume record when its client
+# resumes by position (server-sent events); past it (Redis slow or down) it goes anyway.
+RECORD_WAIT_S = 0.05
+
 _CIRCUIT_STATES = {
     CircuitState.CLOSED: gateway_pb2.CIRCUIT_STATE_CLOSED,
     CircuitState.OPEN: gateway_pb2.CIRCUIT_STATE_OPEN,
@@ -304,7 +308,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             routed = RoutedRequest(route, overlap, relay, sampling, salt, context)
             async with contextlib.aclosing(self._run(routed)) as messages:
                 async for message in messages:
-                    self._stamp(resume_id, relay, message)
+                    await self._stamp(resume_id, relay, message, context)
                     yield message
         except BaseException as exc:
             failure = exc
@@ -317,14 +321,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             record_request(span, self.metrics, relay, route, failure)
             failure = None  # no frame <-> traceback cycle
 
-    def _stamp(self, resume_id: str, relay: Relay, message: gateway_pb2.GenerateResponse) -> None:
-        """A message's resume token, and its tokens (and end) into the request's record."""
+    async def _stamp(
+        self, resume_id: str, relay: Relay, message: gateway_pb2.GenerateResponse, context: Call
+    ) -> None:
+        """A message's resume token, and its tokens (and end) into the request's record:
+        behind the stream, or before the message goes (at most RECORD_WAIT_S) for a front
+        door whose clients resume by position alone (``records_before_sending``)."""
         if not resume_id:
             return
         message.resume_token = make_token(resume_id, len(relay.generated))
         self.resume.sent(resume_id, list(message.token_ids))
         if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.resume.finished(resume_id, message)
+        if getattr(context, "records_before_sending", False):
+            await self.resume.flushed(resume_id, RECORD_WAIT_S)
 
     async def _resumed(
         self,
@@ -339,7 +349,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         else a decode worker continues it as a migration does (local prefill of prompt and
         tokens, the block store's KV reused, sampling at the next output position)."""
         span = trace.get_current_span()
-        resume_id, _ = parse_token(request.resume.resume_token)
+        resume_id, position = parse_token(request.resume.resume_token)
         salt = tenant_cache_salt(tenant, request.cache_salt) or ""
         received = list(request.resume.token_ids)
         record: ResumeRecord | None = None
@@ -350,7 +360,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise UnavailableError(f"the resume records (Redis) cannot be read: {exc}") from exc
         outcomes = self.resume.metrics.resumes if self.resume.metrics is not None else None
         try:
-            record = check_resume(record, salt, received)
+            record, received = check_resume(record, salt, received, position)
         except NotFoundError:
             if outcomes is not None:
                 outcomes.labels("not_found").inc()
@@ -407,7 +417,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             decode = self.decoder.stream(route.decode, decode_request, relay, sampling, context)
             async with contextlib.aclosing(decode) as replies:
                 async for reply in replies:
-                    self._stamp(resume_id, relay, reply)
+                    await self._stamp(resume_id, relay, reply, context)
                     yield reply
         except BaseException as exc:
             failure = exc

@@ -191,3 +191,66 @@ def test_pdserve_generate_with_two_targets_survives_the_first(
     mine, theirs = json.loads(out), json.loads(reference.stdout)
     assert mine["token_ids"] == theirs["token_ids"] and mine["text"] == theirs["text"]
     stack.wait_all_free()
+
+
+async def sse(url: str, body: dict[str, Any], last_event_id: str | None = None,
+              stop_after: int | None = None) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
+    """The (id, data) of each server-sent event of one POST; with ``stop_after``, those until
+    that many chunks came (the connection is then dropped)."""
+    import aiohttp
+
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    events: list[tuple[str, dict[str, Any]]] = []
+    event_id = ""
+    async with aiohttp.ClientSession() as session, session.post(
+        url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=120)
+    ) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                events.append((event_id, json.loads(line[6:])))
+                if stop_after is not None and len(events) >= stop_after:
+                    return events
+    return events
+
+
+def sse_texts(events: list[tuple[str, dict[str, Any]]], n: int) -> list[str]:
+    texts = [""] * n
+    for _, data in events:
+        for choice in data["choices"]:
+            delta = choice.get("delta")
+            texts[choice["index"]] += (delta or {}).get("content") or choice.get("text") or ""
+    return texts
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_an_sse_stream_reconnects_with_last_event_id_on_another_gateway(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, endpoint: str
+) -> None:
+    n = 1 if endpoint == "completions" else 2
+    body: dict[str, Any] = {
+        "model": stack.model_dir.name, "max_tokens": 48, "temperature": 0.7, "seed": 7,
+        "ignore_eos": True, "stream": True, "n": n,
+    }  # fmt: skip
+    if endpoint == "completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    reference = asyncio.run(sse(f"{stack.http_url()}/{endpoint}", body))
+    assert all(event_id for event_id, data in reference if data["choices"])
+    with extra_gateway(stack, tmp_path_factory, f"gateway-sse-{n}") as doomed:
+        url = f"http://127.0.0.1:{doomed.http_port}/v1/{endpoint}"
+        before = asyncio.run(sse(url, body, stop_after=12))
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=30)
+    last_id = before[-1][0]
+    after = asyncio.run(sse(f"{stack.http_url()}/{endpoint}", body, last_event_id=last_id))
+    assert {data["id"] for _, data in before + after} == {last_id.split(";")[0]}
+    joined = [a + b for a, b in zip(sse_texts(before, n), sse_texts(after, n), strict=True)]
+    assert joined == sse_texts(reference, n)
+    finishes = [c["finish_reason"] for _, d in after for c in d["choices"] if c["finish_reason"]]
+    assert sorted(finishes) == ["length"] * n
+    stack.wait_all_free()

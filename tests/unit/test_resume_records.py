@@ -115,8 +115,13 @@ def test_a_dead_redis_costs_the_stream_nothing_and_holds_nothing(tmp_path: Path)
 
 def test_a_resume_is_checked_against_its_record() -> None:
     record = ResumeRecord(worker_request("tenant-a"), [11, 12, 13], None)
-    assert check_resume(record, "tenant-a", [11, 12]) is record
-    assert check_resume(record, "tenant-a", [11, 12, 13, 14]) is record  # beyond what is written
+    assert check_resume(record, "tenant-a", [11, 12]) == (record, [11, 12])
+    # Beyond what is written: the client's tokens are taken.
+    assert check_resume(record, "tenant-a", [11, 12, 13, 14]) == (record, [11, 12, 13, 14])
+    # No tokens sent (server-sent events): the record's, as far as the token says.
+    assert check_resume(record, "tenant-a", [], position=2) == (record, [11, 12])
+    with pytest.raises(InvalidRequestError, match="the record holds 3"):
+        check_resume(record, "tenant-a", [], position=4)
     with pytest.raises(NotFoundError):
         check_resume(record, "tenant-b", [11])  # another tenant: as if there were none
     with pytest.raises(NotFoundError):

@@ -30,7 +30,13 @@ from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from common.errors import DrainingError, PdserveError, QueueFullError, UnauthenticatedError
+from common.errors import (
+    DrainingError,
+    InvalidRequestError,
+    PdserveError,
+    QueueFullError,
+    UnauthenticatedError,
+)
 from common.telemetry.tracing import tracer
 from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
@@ -58,6 +64,9 @@ class HttpCall:
     def __init__(self, request: web.Request) -> None:
         value = request.headers.get("Authorization")
         self._metadata = () if value is None else (("authorization", value),)
+        # A streamed response's client resumes by event id (position) alone: each message's
+        # tokens are in the resume record before it goes (GatewayServicer._stamp).
+        self.records_before_sending = False
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -294,13 +303,28 @@ class OpenAIServer:
     ) -> web.StreamResponse:
         body = await self._parse(request, endpoint.body)
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        last_event = request.headers.get("Last-Event-ID") if body.stream else None
+        resumed: list[str] = []
+        if last_event:  # the SSE reconnection of a stream that broke
+            response_id, resumed = _parse_event_id(last_event, endpoint.id_prefix)
         generate = endpoint.to_requests(body, response_id)
+        if len(resumed) not in (0, len(generate)):
+            raise InvalidRequestError(
+                "Last-Event-ID", f"names {len(resumed)} choices; this request has "
+                f"{len(generate)}: send the request the stream began with")  # fmt: skip
+        for outgoing, token in zip(generate, resumed, strict=False):
+            if token:
+                outgoing.resume.resume_token = token
+        call.records_before_sending = bool(body.stream)
         echo = None
         if isinstance(body, CompletionRequest) and body.echo:
             echo = await self._echo(generate, body.n)
         model = self.servicer.model
         created = int(time.time())
         choices = [Choice(index=i, copy=i % body.n) for i in range(len(generate))]
+        for choice, token in zip(choices, resumed, strict=False):
+            if token:  # it has sent its first chunk (role, echoed prompt) already
+                choice.text.append("")
         # A forced tool call: how the output text becomes the message's tool_calls.
         tool_mode = structured.constraint(body)[1] if endpoint is _CHAT else None
         fanout = _Fanout(self.servicer, generate, body.n, call)
@@ -313,7 +337,8 @@ class OpenAIServer:
             first = await anext(messages, None)
             if body.stream:
                 return await self._stream(request, body, endpoint, response_id, created,
-                                          choices, echo, first, messages, tool_mode)  # fmt: skip
+                                          choices, echo, first, messages, tool_mode,
+                                          resumed)  # fmt: skip
             if first is not None:
                 choices[first[0]].add(first[1])
             async for index, message in messages:
@@ -356,11 +381,13 @@ class OpenAIServer:
         created: int, choices: list[Choice], echo: list[tuple[str, list[int]]] | None,
         first: tuple[int, gateway_pb2.GenerateResponse] | None,
         messages: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
-        tool_mode: ToolMode | None,
+        tool_mode: ToolMode | None, resumed: list[str],
     ) -> web.StreamResponse:  # fmt: skip
         """Server-sent events: a chunk per message, then (``stream_options.include_usage``)
         one with the usage and no choices, then ``[DONE]``. A failure after the first byte
-        goes out as an event holding OpenAI's error JSON."""
+        goes out as an event holding OpenAI's error JSON. Each chunk's ``id:`` field is
+        what resumes the stream after it (the SSE reconnection: the same request again with
+        ``Last-Event-ID``), on any gateway of the cluster."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -368,13 +395,20 @@ class OpenAIServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunk = _ChunkWriter(self, endpoint, body, response_id, created, echo, include_usage,
                              tool_mode)  # fmt: skip
+        tokens = list(resumed) or [""] * len(choices)  # each choice's latest resume token
+
+        def event(index: int, message: gateway_pb2.GenerateResponse) -> bytes:
+            tokens[index] = message.resume_token or tokens[index]
+            return _event_id(response_id, tokens) + chunk.event(choices[index], message)
+
         try:
             if first is not None:
-                await response.write(chunk.event(choices[first[0]], first[1]))
+                await response.write(event(*first))
             async for index, message in messages:
-                await response.write(chunk.event(choices[index], message))
+                await response.write(event(index, message))
             if include_usage:
-                await response.write(chunk.usage(responses.usage_body(choices)))
+                usage = chunk.usage(responses.usage_body(choices))
+                await response.write(_event_id(response_id, tokens) + usage)
         except PdserveError as exc:
             _, error = from_exception(exc)
             await response.write(_sse(error))
@@ -388,6 +422,24 @@ class _BadJson(PdserveError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"the request body is not valid JSON: {detail}")
+
+
+def _event_id(response_id: str, tokens: list[str]) -> bytes:
+    """An SSE ``id:`` line: the response's id, then each choice's latest resume token
+    (empty for a choice that has sent nothing); none where the gateway keeps no records."""
+    if not any(tokens):
+        return b""
+    return f"id: {response_id};{','.join(tokens)}\n".encode()
+
+
+def _parse_event_id(value: str, id_prefix: str) -> tuple[str, list[str]]:
+    """``Last-Event-ID`` back into the response id and the choices' resume tokens."""
+    response_id, _, tokens = value.strip().partition(";")
+    prefix = f"{id_prefix}-"
+    if not response_id.startswith(prefix) or not tokens or len(value) > 64 * 1024:
+        raise InvalidRequestError(
+            "Last-Event-ID", f"{value[:80]!r} is not an event id this endpoint sent")
+    return response_id, tokens.split(",")
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
