@@ -142,3 +142,20 @@ def test_gateways_take_the_metrics_ports_from_the_base_and_at_least_one_is_asked
     assert parser.parse_args(["up", "--gateways", "2"]).gateways == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--gateways", "0"])
+
+
+def test_each_gateway_takes_its_own_ports() -> None:
+    from pdserve.cli.commands.up import gateway_ports
+
+    parser = build_parser()
+    defaults = parser.parse_args(["up", "--gateways", "3"])
+    ports = [gateway_ports(defaults, i) for i in range(3)]
+    assert ports == [(50051, 8000, 8001), (50052, 8002, 8003), (50053, 8004, 8005)]
+    apart = parser.parse_args(["up", "--port", "7000", "--http-port", "9000", "--kserve-port",
+                               "9500"])  # fmt: skip
+    assert [gateway_ports(apart, i) for i in range(2)] == [(7000, 9000, 9500), (7001, 9001, 9501)]
+    off = parser.parse_args(["up", "--http-port", "-1", "--kserve-port", "-1"])
+    assert gateway_ports(off, 1) == (50052, -1, -1)
+    free = parser.parse_args(["up", "--http-port", "0", "--kserve-port", "0"])
+    _, http, kserve = gateway_ports(free, 1)
+    assert http > 0 and kserve > 0 and http != kserve

@@ -336,6 +336,21 @@ def threads_per_worker(args: argparse.Namespace) -> int | None:
     return max(1, usable_cores() // max(1, num_prefill_workers(args), args.decode))
 
 
+def gateway_ports(args: argparse.Namespace, i: int) -> tuple[int, int, int]:
+    """Gateway i's gRPC, HTTP and KServe ports (-1: off; 0 given: a free port each). The
+    gRPC ports follow --port; the HTTP and KServe ports follow theirs, two apart when the two
+    are neighbours (the defaults, 8000 and 8001), so gateway 1 takes 8002 and 8003."""
+    http, kserve = args.http_port, args.kserve_port
+    stride = 2 if http > 0 and kserve > 0 and abs(http - kserve) == 1 else 1
+
+    def nth(base: int) -> int:
+        if base < 0:
+            return -1
+        return base + stride * i if base else free_port()
+
+    return args.port + i, nth(http), nth(kserve)
+
+
 def _metrics_ports(args: argparse.Namespace) -> Iterator[int]:
     """The metrics port of each process in start order (all 0 when off). With a base port
     the gateway, started last, takes the base and the others the ports after it."""
@@ -447,7 +462,7 @@ def run_up(args: argparse.Namespace) -> int:
             # The first is "gateway" (its log, `pdserve restart gateway`); the next ones
             # take the ports after the first's.
             name = "gateway" if i == 0 else f"gateway-{i}"
-            port = args.port + i
+            port, http_port, kserve_port = gateway_ports(args, i)
             gateway_argv = [*python, "gateway", "--port", str(port), "--model", model,
                             "--worker-id", f"gateway-{i}", *_engine_flags(args, _GATEWAY_FLAGS),
                             *_engine_flags(args, _FAILOVER_FLAGS)]  # fmt: skip
@@ -455,15 +470,12 @@ def run_up(args: argparse.Namespace) -> int:
                 gateway_argv += ["--public-tls-cert", str(public.cert),
                                  "--public-tls-key", str(public.key)]  # fmt: skip
             endpoints = {"grpc": f"127.0.0.1:{port}", "http": "", "kserve": ""}
-            if args.http_port >= 0:
-                http_port = args.http_port + i if args.http_port else free_port()
+            if http_port >= 0:
                 gateway_argv += ["--http-port", str(http_port)]
                 scheme = "https" if args.public_tls else "http"
                 endpoints["http"] = f"{scheme}://127.0.0.1:{http_port}/v1"
             else:
                 gateway_argv += ["--http-port", "-1"]
-            kserve_port = -1 if args.kserve_port < 0 else (
-                args.kserve_port + i if args.kserve_port else free_port())  # fmt: skip
             gateway_argv += ["--kserve-port", str(kserve_port)]
             if kserve_port >= 0:
                 endpoints["kserve"] = f"127.0.0.1:{kserve_port}"
