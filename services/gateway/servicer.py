@@ -410,6 +410,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             span.set_attributes(route_attributes(route))
             decode_request = decode_pb2.DecodeRequest()
             decode_request.CopyFrom(stored)
+            # The worker's id for this attempt: the broken stream's request may still be in
+            # flight there (under its own id) until the worker sees its gateway gone.
+            decode_request.request_id = f"{request_id}.resume-{uuid.uuid4().hex[:8]}"
             decode_request.local_prefill = True
             decode_request.generated_token_ids[:] = received
             if received:  # the first message carried the prompt logprobs

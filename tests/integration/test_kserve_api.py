@@ -241,3 +241,21 @@ def test_bench_serve_drives_the_kserve_port(stack: Stack, tmp_path: Path) -> Non
     result = json.loads((tmp_path / "kserve.json").read_text())
     assert result["completed"] == 4 and result["failed"] == 0
     assert result["total_output_tokens"] == 4 * 6
+
+
+def test_a_kserve_stream_resumes_on_another_gateway(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = stack.model_dir.name
+    sampling = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    whole = triton(kserve_url(stack), model, "stream", prompts=[PROMPTS[0]], sampling=sampling)
+    reference = "".join(r["text_output"] for r in whole["responses"]["s0"])
+    with extra_gateway(stack, tmp_path_factory, "gateway-kserve-doomed") as doomed:
+        seen = triton(f"127.0.0.1:{doomed.kserve_port}", model, "resume", prompt=PROMPTS[0],
+                      sampling=sampling, after=6, kill_pid=doomed.process.pid,
+                      other_url=kserve_url(stack))  # fmt: skip
+    before, after = seen["before"], seen["after"]
+    assert len(before) == 6 and all(r["token"] for r in before)
+    assert after[-1]["finish_reason"] == "length" and after[-1]["num_output_tokens"] == 40
+    joined = "".join(r["text_output"] for r in before + after)
+    assert joined == reference

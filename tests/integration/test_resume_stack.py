@@ -114,25 +114,25 @@ def call_error(coroutine: Any) -> grpc.aio.AioRpcError:
 
 def test_a_resume_is_refused_for_strangers_and_for_altered_tokens(stack: Stack) -> None:
     sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    whole = asyncio.run(stream(stack.target, sampling, salt="tenant-a"))
+    whole = asyncio.run(stream(stack.target, sampling, salt="tenant-resume"))
     tokens = tokens_of(whole)
     token = whole[-1].resume_token
     # Another cache salt (another tenant's), an unknown request: NOT_FOUND alike.
     foreign = call_error(stream(stack.target, sampling, salt="tenant-b",
                                 resume=gateway_pb2.ResumeFrom(resume_token=token,
                                                               token_ids=tokens[:3])))  # fmt: skip
-    unknown = call_error(stream(stack.target, sampling, salt="tenant-a",
+    unknown = call_error(stream(stack.target, sampling, salt="tenant-resume",
                                 resume=gateway_pb2.ResumeFrom(resume_token=f"{'0' * 32}.3",
                                                               token_ids=tokens[:3])))  # fmt: skip
     assert foreign.code() == unknown.code() == grpc.StatusCode.NOT_FOUND
     assert foreign.details() == unknown.details()
     altered = [*tokens[:4], (tokens[4] + 1) % 1000, *tokens[5:7]]
-    mismatch = call_error(stream(stack.target, sampling, salt="tenant-a",
+    mismatch = call_error(stream(stack.target, sampling, salt="tenant-resume",
                                  resume=gateway_pb2.ResumeFrom(resume_token=token,
                                                                token_ids=altered)))  # fmt: skip
     assert mismatch.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "resume.token_ids" in mismatch.details() and "position 4" in mismatch.details()
-    garbage = call_error(stream(stack.target, sampling, salt="tenant-a",
+    garbage = call_error(stream(stack.target, sampling, salt="tenant-resume",
                                 resume=gateway_pb2.ResumeFrom(resume_token="nonsense")))  # fmt: skip
     assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import pytest
 
@@ -148,9 +149,12 @@ def test_the_second_gateway_takes_the_next_port_and_answers_alike(stack: Stack) 
 
 def test_tenants_with_different_salts_never_share_cached_prefixes(stack: Stack) -> None:
     prompt = "Audit memo 8812-Z. " + passage(12, offset=2)
-    (a1,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-a")
-    (b1,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-b")
-    (a2,) = complete_all(stack, [prompt], GREEDY, cache_salt="tenant-a")
+    # Salts no other test on this stack uses: a prompt under the chat template shares its
+    # first block with every other chat prompt of the same salt.
+    tenant_a, tenant_b = (f"tenant-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    (a1,) = complete_all(stack, [prompt], GREEDY, cache_salt=tenant_a)
+    (b1,) = complete_all(stack, [prompt], GREEDY, cache_salt=tenant_b)
+    (a2,) = complete_all(stack, [prompt], GREEDY, cache_salt=tenant_a)
     assert a1.cached_tokens == 0 and b1.cached_tokens == 0
     assert a2.cached_tokens >= 160
     assert a1.token_ids == b1.token_ids == a2.token_ids

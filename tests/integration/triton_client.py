@@ -4,7 +4,8 @@ share one): ``python tests/integration/triton_client.py URL MODEL SCENARIO [ARGS
 prints one JSON object with what it saw.
 
 Scenarios: ``metadata`` (liveness, readiness, server and model metadata and config),
-``infer`` (unary requests), ``stream`` (requests on one decoupled stream), ``errors``.
+``infer`` (unary requests), ``stream`` (requests on one decoupled stream), ``errors``,
+``resume`` (a stream whose gateway is killed, resumed on another).
 """
 
 from __future__ import annotations
@@ -109,7 +110,46 @@ def errors(client: Any, model: str, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"metadata": metadata, "infer": infer, "stream": stream, "errors": errors}
+def resume(client: Any, model: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One request streamed; after ``after`` responses the process ``kill_pid`` (its
+    gateway) is SIGKILLed, and the request goes again to ``other_url`` with the last
+    response's ``resume_token`` parameter. The texts before and after."""
+    import os
+    import signal
+
+    def run(target: Any, parameters: dict[str, Any], stop_after: int | None) -> list[Any]:
+        seen: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        target.start_stream(callback=lambda result, error: seen.put((result, error)))
+        target.async_stream_infer(
+            model, inputs(args["prompt"], args["sampling"], True, True), request_id="r",
+            parameters=parameters, enable_empty_final_response=True,
+        )  # fmt: skip
+        responses = []
+        while True:
+            result, error = seen.get(timeout=120)
+            if error is not None:
+                raise RuntimeError(str(error))
+            response = result.get_response()
+            responses.append({**outputs_of(result),
+                              "token": response.parameters["resume_token"].string_param})  # fmt: skip
+            if response.parameters["triton_final_response"].bool_param:
+                break
+            if stop_after is not None and len(responses) >= stop_after:
+                os.kill(args["kill_pid"], signal.SIGKILL)
+                break
+        if stop_after is None:
+            target.stop_stream()
+        return responses
+
+    before = run(client, {}, args["after"])
+    other = grpcclient.InferenceServerClient(url=args["other_url"])
+    after = run(other, {"resume_token": before[-1]["token"]}, None)
+    return {"before": before, "after": after}
+
+
+SCENARIOS = {
+    "metadata": metadata, "infer": infer, "stream": stream, "errors": errors, "resume": resume,
+}  # fmt: skip
 
 
 def main() -> None:

@@ -19,4 +19,5 @@ def test_every_path_is_timed_against_the_float16_head() -> None:
     for r in results:
         assert float(r["ms"]) > 0 and float(r["gb_per_s"]) > 0
         f16 = next(x for x in results if x["rows"] == r["rows"] and x["path"] == "f16")
-        assert r["vs_f16"] == round(float(f16["ms"]) / float(r["ms"]), 2)
+        # vs_f16 comes from the unrounded times, ms is printed to 3 decimals.
+        assert r["vs_f16"] == pytest.approx(float(f16["ms"]) / float(r["ms"]), abs=0.011)

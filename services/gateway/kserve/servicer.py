@@ -41,6 +41,24 @@ _CONFIG_TYPES = {
 }
 
 
+class _StreamCall:
+    """A streamed request's call: its client resumes by the ``resume_token`` parameter of
+    the last response (a position; it holds no token ids), so each response's tokens are in
+    the resume record before it goes."""
+
+    records_before_sending = True
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def time_remaining(self) -> float | None:
+        remaining: float | None = self._context.time_remaining()
+        return remaining
+
+
 class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, gateway: GatewayServicer) -> None:
         self.gateway = gateway
@@ -151,6 +169,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             cache_salt=text.cache_salt,
         )  # fmt: skip
         message.sampling.CopyFrom(tensors.sampling_pb(text.sampling))
+        if text.resume_token:
+            message.resume.resume_token = text.resume_token
         return text, message
 
     async def _run(
@@ -162,7 +182,8 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if stream is not None:
             text.stream = stream
         parts: list[str] = []
-        async with contextlib.aclosing(self.gateway.generate(message, context)) as replies:
+        call = _StreamCall(context) if text.stream else context
+        async with contextlib.aclosing(self.gateway.generate(message, call)) as replies:
             async for reply in replies:
                 last = reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 if text.stream:
@@ -171,6 +192,7 @@ class KServeServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                         finish_reason_name(reply.finish_reason) if last else None,
                         reply.usage.prompt_tokens if last else None,
                         reply.usage.completion_tokens if last else None, final=last,
+                        resume_token=reply.resume_token,
                     )  # fmt: skip
                     continue
                 parts.append(reply.text)

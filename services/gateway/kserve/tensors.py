@@ -70,6 +70,9 @@ class TextRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # requested; empty = all
     cache_salt: str = ""  # pdserve's request parameter: prefix caching as GenerateRequest's
+    # pdserve's request parameter: continue the request whose stream broke after the
+    # response that carried this resume_token parameter (GenerateRequest.resume).
+    resume_token: str = ""
 
 
 def _element(request: InferRequest, index: int, name: str, datatype: str) -> bytes | bool:
@@ -123,11 +126,13 @@ def parse_request(request: InferRequest) -> TextRequest:
             ) from exc
         if not isinstance(sampling, dict):
             raise InvalidRequestError("inputs.sampling_parameters", "is not a JSON object")
-    cache_salt = ""
+    cache_salt = resume_token = ""
     for key, parameter in request.parameters.items():  # request parameters: the same names
         value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param")
         if key == "cache_salt":
             cache_salt = str(value)
+        elif key == "resume_token":
+            resume_token = str(value)
         elif not key.startswith("triton_"):
             sampling.setdefault(key, value)
     outputs = [o.name for o in request.outputs]
@@ -143,6 +148,7 @@ def parse_request(request: InferRequest) -> TextRequest:
         sampling=sampling,
         outputs=outputs,
         cache_salt=cache_salt,
+        resume_token=resume_token,
     )
 
 
@@ -212,10 +218,11 @@ def sampling_pb(params: dict[str, Any]) -> common_pb2.SamplingParams:
 def response(
     request: InferRequest, model: str, text: str, wanted: list[str],
     finish_reason: str | None = None, num_input_tokens: int | None = None,
-    num_output_tokens: int | None = None, final: bool | None = None,
+    num_output_tokens: int | None = None, final: bool | None = None, resume_token: str = "",
 ) -> InferResponse:  # fmt: skip
     """One response: ``text_output`` always (when wanted), the counts and the finish reason
-    once known; ``final`` (streaming) sets Triton's ``triton_final_response`` parameter."""
+    once known; ``final`` (streaming) sets Triton's ``triton_final_response`` parameter, and
+    ``resume_token`` (streaming) pdserve's, what resumes the request after it."""
     out = InferResponse(model_name=model, model_version="1", id=request.id)
     values: dict[str, bytes] = {"text_output": encode_bytes([text.encode()])}
     if finish_reason is not None:
@@ -231,4 +238,6 @@ def response(
         out.raw_output_contents.append(raw)
     if final is not None:
         out.parameters["triton_final_response"].bool_param = final
+    if resume_token:
+        out.parameters["resume_token"].string_param = resume_token
     return out
