@@ -1,11 +1,13 @@
 """A Node.js client (@grpc/grpc-js, protos loaded at run time) against the real stack: it
-gets the model info and the same greedy completion as the Python client."""
+gets the model info and the same greedy completion as the Python client, and its stream
+survives the death of its gateway."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,7 +16,8 @@ import pytest
 from common.contract.sampling import SamplingParams
 from pdserve.client import GatewayClient, RemoteCompletion
 from pdserve.gateway.v1 import gateway_pb2
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, extra_gateway
+from tests.polling import settle
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +81,36 @@ def test_node_client_streams_the_python_clients_greedy_completion(stack: Stack, 
     assert result["tokens"] == expected.token_ids
     assert result["text"] == expected.text and result["text"]
     assert result["finish_reason"].removeprefix("FINISH_REASON_").lower() == expected.finish_reason
+
+
+def test_node_client_resumes_on_its_next_gateway_when_the_first_is_killed(
+    stack: Stack, node: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    async def reference() -> RemoteCompletion:
+        client = GatewayClient(stack.target)
+        try:
+            sampling = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+            return await client.complete(prompt=PROMPT, sampling=sampling)
+        finally:
+            await client.close()
+
+    expected = asyncio.run(reference())
+    with extra_gateway(stack, tmp_path_factory, "gateway-doomed-node") as doomed:
+        process = subprocess.Popen(
+            [node, str(NODE_DIR / "generate.js"), f"{doomed.child.address},{stack.target}",
+             PROMPT, "--max-tokens", "160", "--ignore-eos"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        # Killed once its stream runs: its decode worker holds the request.
+        settle(lambda: [w["running"] for w in stack.workers() if w["role"] == "decode"],
+               lambda running: sum(running) > 0, 60.0)  # fmt: skip
+        doomed.process.send_signal(signal.SIGKILL)
+        out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    result = json.loads(out)
+    assert result["resumes"] == 1
+    assert result["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert result["tokens"] == expected.token_ids and len(expected.token_ids) == 160
+    assert result["text"] == expected.text
+    assert result["usage"]["completion_tokens"] == 160
+    stack.wait_all_free()
