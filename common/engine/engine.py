@@ -70,6 +70,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_context_cached_tokens: int = 0  # num_cached_tokens, output tokens it came with too
     first_scheduled_time: float | None = None  # time.monotonic() of the first step it ran in
     # write_behind requests: copies of full blocks computed since the previous output.
     full_blocks: FullBlocks | None = None
@@ -426,6 +427,7 @@ class Engine:
                 [],
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
+                num_context_cached_tokens=req.num_context_cached_tokens,
                 first_scheduled_time=req.first_scheduled_time,
             )
             finished = False
@@ -579,6 +581,7 @@ class Engine:
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            num_context_cached_tokens=req.num_context_cached_tokens,
         )
 
     def _hold(self, req: Request) -> None:

@@ -114,6 +114,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        # Context tokens (prompt and output tokens it came with) served from the prefix
+        # cache: more than the prompt's for a continuation (a migration, a resume).
+        self.num_context_cached_tokens = 0
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         # sampling.prompt_logprobs: entry i scores prompt token i (None for token 0), grown

@@ -177,6 +177,7 @@ class Scheduler:
         req.num_computed_tokens = num_hit_tokens
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(num_hit_tokens, req.num_prompt_tokens)
+            req.num_context_cached_tokens = num_hit_tokens
         req.status = RequestStatus.RUNNING
         return ScheduledRequest(req, num_new)
 

@@ -155,6 +155,8 @@ class DecodeStreamer:
                 reply = relay.message(
                     list(message.token_ids), list(message.logprobs), message.prompt_logprobs
                 )
+                if message.finish_reason:
+                    relay.computed_tokens = message.computed_tokens
                 if attempt.account_cached and message.finish_reason:
                     relay.cached_tokens = min(
                         len(relay.prompt), message.cached_tokens + message.imported_tokens

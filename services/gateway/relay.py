@@ -33,6 +33,9 @@ class Relay:
         self.times = TokenTimes(metrics, self.arrival)
         self.queue_ms = 0.0
         self.num_migrations = 0  # decode streams that broke and continued elsewhere
+        # Context tokens the finishing decode worker computed (neither in its prefix cache
+        # nor imported): a continuation's recomputation, when it started from local prefill.
+        self.computed_tokens = 0
         self.finish_reason: str | None = None  # set once the final message is built
 
     def message(

@@ -103,6 +103,13 @@ class ResumeMetrics:
             "tokens sent since its last write).",
             registry=registry,
         )
+        self.recomputed_tokens = Counter(
+            metric_name("resume_recomputed_tokens"),
+            "Context tokens (the prompt and the tokens sent before the break) that a resumed "
+            "request's decode worker computed again: neither in its prefix cache nor in the "
+            "block store.",
+            registry=registry,
+        )
         self.write_failures = Counter(
             metric_name("resume_write_failures"),
             "Resume-record writes that Redis refused or did not answer (the request streams "

@@ -428,6 +428,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         finally:
             self.num_in_flight -= 1
             self.resume.forget(resume_id)
+            span.set_attribute("pdserve.resume.recomputed_tokens", relay.computed_tokens)
+            if self.resume.metrics is not None:
+                self.resume.metrics.recomputed_tokens.inc(relay.computed_tokens)
             record_request(span, self.metrics, relay, route, failure)
             failure = None  # no frame <-> traceback cycle
 

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from tests.polling import settle
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MAX_TOKENS = 64
 KILL_AFTER = 16
+BLOCK = 16  # the stack's KV block size (the default)
 
 
 async def stream(target: str, sampling: SamplingParams, salt: str = "",
@@ -46,6 +48,16 @@ async def stream(target: str, sampling: SamplingParams, salt: str = "",
     finally:
         await client.close()
     return messages
+
+
+def recomputed_tokens(stack: Stack) -> float:
+    """The first gateway's pdserve:resume_recomputed_tokens_total."""
+    with urllib.request.urlopen(stack.http_url().removesuffix("/v1") + "/metrics") as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith("pdserve:resume_recomputed_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no pdserve:resume_recomputed_tokens_total on the gateway")
 
 
 def tokens_of(messages: list[gateway_pb2.GenerateResponse]) -> list[int]:
@@ -82,12 +94,17 @@ def test_a_stream_resumes_on_another_gateway_after_its_own_is_killed(
         received = asyncio.run(stream(doomed.child.address, sampling, stop_after=KILL_AFTER))
         doomed.process.send_signal(signal.SIGKILL)
         doomed.process.wait(timeout=30)
+    before = recomputed_tokens(stack)
     resumed = asyncio.run(stream(stack.target, sampling, resume=resume_from(received)))
     assert tokens_of(received) + tokens_of(resumed) == tokens_of(reference)
     assert text_of(received) + text_of(resumed) == text_of(reference)
     last = resumed[-1]
     assert last.finish_reason == reference[-1].finish_reason
     assert last.usage.completion_tokens == MAX_TOKENS
+    # The continuation recomputed only the context's last block: the rest (the prompt and
+    # the full blocks of tokens sent) was still in its decode worker's prefix cache.
+    context = last.usage.prompt_tokens + len(tokens_of(received))
+    assert recomputed_tokens(stack) - before == context - BLOCK * ((context - 1) // BLOCK)
     # The killed gateway's decode call ended with its connection: nothing stays held.
     stack.wait_all_free()
 

@@ -128,15 +128,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if out.finished:
                         context_len = len(prompt) + len(generated)
                         message.finish_reason = finish_reason_pb(out.finish_reason)
-                        message.cached_tokens = out.num_cached_tokens
+                        cached = out.num_context_cached_tokens
+                        message.cached_tokens = cached
                         message.imported_tokens = imported
-                        message.computed_tokens = max(
-                            0, context_len - out.num_cached_tokens - imported
-                        )
+                        message.computed_tokens = max(0, context_len - cached - imported)
                         message.kv_transfer_bytes = transfer.num_bytes
                         message.kv_transfer_ms = transfer.ms
                         message.queue_ms = stream.queue_ms(transfer.ms)
-                        stream.cached_tokens = out.num_cached_tokens
+                        stream.cached_tokens = cached
                     yield message
         except BaseException as exc:
             stream.failure = exc
@@ -228,7 +227,7 @@ class _Stream:
             )
         span.end()
         log.info(
-            "decode %s: %s, prompt %d tokens (%d cached, %d imported from %s: %d bytes in "
+            "decode %s: %s, prompt %d tokens (%d context tokens cached, %d imported from %s: %d bytes in "
             "%.1f ms), %d tokens generated; queue %.1f ms, ttft %.1f ms, total %.1f ms",
             request_id,
             finish or f"failed ({type(self.failure).__name__}: {self.failure})",
