@@ -271,3 +271,50 @@ def test_an_sse_stream_reconnects_with_last_event_id_on_another_gateway(
     finishes = [c["finish_reason"] for _, d in after for c in d["choices"] if c["finish_reason"]]
     assert sorted(finishes) == ["length"] * n
     stack.wait_all_free()
+
+
+def test_the_openai_sdk_reads_one_stream_through_a_gateways_death(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """AsyncOpenAI on pdserve.sse_resume's transport: the gateway it streams from is
+    SIGKILLed mid-stream, and the SDK's one iterator goes on from the other gateway."""
+    import httpx2
+    import openai
+
+    from pdserve.sse_resume import AsyncResumingTransport
+
+    messages = [{"role": "user", "content": PROMPT}]
+    extra = {"ignore_eos": True}
+
+    async def chat(base: str, gateways: list[str], kill: Any = None) -> tuple[str, str, int]:
+        transport = AsyncResumingTransport(gateways)
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0,
+                                    http_client=httpx2.AsyncClient(transport=transport))  # fmt: skip
+        text, finish, chunks = "", "", 0
+        try:
+            stream = await client.chat.completions.create(
+                model=stack.model_dir.name, messages=messages, max_tokens=120, temperature=0,
+                stream=True, extra_body=extra,
+            )  # fmt: skip
+            async for chunk in stream:
+                chunks += 1
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                if kill is not None and chunks == 10:
+                    kill()
+        finally:
+            await client.close()
+        return text, finish, transport.num_resumes
+
+    main = stack.http_url().removesuffix("/v1")
+    reference, finish, _ = asyncio.run(chat(main, [main]))
+    assert finish == "length" and reference
+    with extra_gateway(stack, tmp_path_factory, "gateway-sdk") as doomed:
+        first = f"http://127.0.0.1:{doomed.http_port}"
+        text, finish, resumes = asyncio.run(
+            chat(first, [first, main], kill=lambda: doomed.process.send_signal(signal.SIGKILL))
+        )
+    assert resumes == 1
+    assert finish == "length" and text == reference
+    stack.wait_all_free()
