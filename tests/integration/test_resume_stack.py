@@ -18,6 +18,7 @@ import pytest
 
 from common.contract.sampling import SamplingParams
 from pdserve.client import GatewayClient
+from pdserve.common.v1 import common_pb2
 from pdserve.gateway.v1 import gateway_pb2
 from tests.integration.conftest import Stack, extra_gateway
 from tests.polling import settle
@@ -317,4 +318,41 @@ def test_the_openai_sdk_reads_one_stream_through_a_gateways_death(
         )
     assert resumes == 1
     assert finish == "length" and text == reference
+    stack.wait_all_free()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_a_json_schema_stream_resumed_mid_output_stays_valid_and_identical(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The grammar state replays the tokens sent before the break: the continuation is the
+    undisturbed stream's, and the whole is JSON the schema accepts."""
+    import jsonschema
+
+    from common.contract.structured import ConstraintKind, StructuredOutput
+
+    sampling = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.8, seed=77,
+        structured_output=StructuredOutput(ConstraintKind.JSON_SCHEMA, json.dumps(PERSON)),
+    )  # fmt: skip
+    reference = asyncio.run(stream(stack.target, sampling))
+    assert reference[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert len(tokens_of(reference)) > 12  # long enough to break in the middle
+    with extra_gateway(stack, tmp_path_factory, "gateway-doomed-json") as doomed:
+        received = asyncio.run(stream(doomed.child.address, sampling, stop_after=8))
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=30)
+    resumed = asyncio.run(stream(stack.target, sampling, resume=resume_from(received)))
+    assert tokens_of(received) + tokens_of(resumed) == tokens_of(reference)
+    whole = text_of(received) + text_of(resumed)
+    assert whole == text_of(reference)
+    jsonschema.validate(json.loads(whole), PERSON)
     stack.wait_all_free()
