@@ -336,6 +336,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if getattr(context, "records_before_sending", False):
             await self.resume.flushed(resume_id, RECORD_WAIT_S)
 
+    async def resumed_text(self, request: gateway_pb2.GenerateRequest, context: Call) -> str:
+        """The text a resumed stream's client holds: the tokens before its resume position
+        as the request's detokenizer sent them (what it held back, at a possible stop string
+        or a partial character, the continuation sends). Raises as the resume itself would
+        (NOT_FOUND, INVALID_ARGUMENT, UNAVAILABLE)."""
+        resume_id, position = parse_token(request.resume.resume_token)
+        salt = tenant_cache_salt(self._tenant(context), request.cache_salt) or ""
+        try:
+            record = await self.resume.load(resume_id) if self.resume.enabled else None
+        except Exception as exc:
+            raise UnavailableError(f"the resume records (Redis) cannot be read: {exc}") from exc
+        record, received = check_resume(record, salt, list(request.resume.token_ids), position)
+        stored = record.request
+        prompt = list(stored.prompt_token_ids)
+        sampling = SamplingParams.from_pb(stored.sampling, max(1, len(prompt) + len(received)))
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt, sampling.stop, min_tokens=sampling.min_tokens
+        )
+        return detok.add(received)
+
     async def _resumed(
         self,
         request: gateway_pb2.GenerateRequest,

@@ -356,3 +356,69 @@ def test_a_json_schema_stream_resumed_mid_output_stays_valid_and_identical(
     assert whole == text_of(reference)
     jsonschema.validate(json.loads(whole), PERSON)
     stack.wait_all_free()
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+
+
+def without_ids(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each chunk's choices, less what differs between runs (ids, created)."""
+    out = []
+    for _, data in events:
+        for choice in data["choices"]:
+            choice = json.loads(json.dumps(choice))
+            for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                call.pop("id", None)
+            out.append(choice)
+    return out
+
+
+@pytest.mark.parametrize("case", ["forced_tool_call", "logprobs"])
+def test_a_resumed_sse_stream_ends_as_the_undisturbed_one(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, case: str
+) -> None:
+    """What the server builds from all of a choice's text (a forced tool call, sent whole
+    with the last chunk) and text_offset, which counts the characters before each token,
+    come out after a resume as they do undisturbed."""
+    model = stack.model_dir.name
+    if case == "forced_tool_call":
+        endpoint, stop_after = "chat/completions", 6
+        body: dict[str, Any] = {
+            "model": model, "stream": True, "max_tokens": 60, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        }  # fmt: skip
+    else:
+        endpoint, stop_after = "completions", 10
+        body = {"model": model, "stream": True, "max_tokens": 30, "temperature": 0,
+                "ignore_eos": True, "prompt": PROMPT, "logprobs": 2}  # fmt: skip
+    reference = asyncio.run(sse(f"{stack.http_url()}/{endpoint}", body))
+    with extra_gateway(stack, tmp_path_factory, f"gateway-sse-{case}") as doomed:
+        url = f"http://127.0.0.1:{doomed.http_port}/v1/{endpoint}"
+        before = asyncio.run(sse(url, body, stop_after=stop_after))
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=30)
+    after = asyncio.run(sse(f"{stack.http_url()}/{endpoint}", body, last_event_id=before[-1][0]))
+    assert without_ids(before + after) == without_ids(reference)
+    if case == "forced_tool_call":
+        last = without_ids(after)[-1]
+        assert last["finish_reason"] == "tool_calls"
+        arguments = json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"])
+        assert set(arguments) == {"city", "unit"}
+    else:
+        offsets = [o for c in without_ids(before + after) for o in c["logprobs"]["text_offset"]]
+        assert offsets == sorted(offsets) and len(offsets) == 30
+    stack.wait_all_free()

@@ -322,9 +322,13 @@ class OpenAIServer:
         model = self.servicer.model
         created = int(time.time())
         choices = [Choice(index=i, copy=i % body.n) for i in range(len(generate))]
-        for choice, token in zip(choices, resumed, strict=False):
+        for choice, outgoing, token in zip(choices, generate, resumed, strict=False):
             if token:  # it has sent its first chunk (role, echoed prompt) already
-                choice.text.append("")
+                # The text sent before the break: text_offset goes on from it, and a forced
+                # tool call is built from all of it.
+                sent = await self.servicer.resumed_text(outgoing, call)
+                choice.text.append(sent)
+                choice.num_chars = len(sent)
         # A forced tool call: how the output text becomes the message's tool_calls.
         tool_mode = structured.constraint(body)[1] if endpoint is _CHAT else None
         fanout = _Fanout(self.servicer, generate, body.n, call)
