@@ -1,20 +1,25 @@
 """A gateway SIGKILLed under load: what its streams lose, and what a resume costs.
 
-One ``pdserve up --gateways 3`` stack (its defaults otherwise: 1 prefill + 1 decode worker,
-block store, redis; plus ``--up-arg``). Each client kind runs ``--streams`` concurrent
+One ``pdserve up --gateways 4`` stack (its defaults otherwise: the workers ``pdserve up``
+starts on this machine, block store, redis; plus ``--up-arg``). Each client kind runs ``--streams`` concurrent
 greedy chat streams of ``--max-tokens`` tokens (ignore_eos), half of them starting on
 gateway 0 and half on the kind's doomed gateway, every stream able to go on at the other:
 
 - ``grpc``: ``pdserve.client.GatewayClient.generate`` (what ``pdserve generate --target
   A,B`` runs), the resume token and the tokens received sent on;
 - ``openai``: the OpenAI SDK (``AsyncOpenAI``, streamed chat completions) on
-  ``pdserve.sse_resume.AsyncResumingTransport``, reconnecting with ``Last-Event-ID``.
+  ``pdserve.sse_resume.AsyncResumingTransport``, reconnecting with ``Last-Event-ID``;
+- ``cli``: two ``pdserve generate --target A,B --json`` processes, half the prompts each
+  (plain prompts, not chat messages), one starting on each gateway.
 
 First undisturbed (the reference), then again with the doomed gateway (1 for grpc, 2 for
-openai) SIGKILLed once every stream has ``--kill-at`` tokens. Per kind: streams that
-resumed, whether every stream's tokens (grpc) or text (openai) equal the reference's, the
+openai, 3 for cli) SIGKILLed once every stream has ``--kill-at`` tokens (cli: once every
+stream runs on a decode worker and ``--cli-kill-delay-s`` more went by). Per kind: streams
+that resumed, whether every stream's tokens (grpc, cli) or text (openai) equal the
+reference's, the
 gap a resume put into its stream (the time from the last message before the break to the
-first after it, p50 and p99) beside the streams' usual gap between messages, the context
+first after it, p50 and p99; not for cli, which prints each result whole) beside the
+streams' usual gap between messages, the context
 tokens the continuations computed again (gateway 0's
 ``pdserve:resume_recomputed_tokens_total``; a context's last, partial block is always
 computed: at most a block per resume when the rest was held), and every KV block free
@@ -175,21 +180,60 @@ async def openai_streams(
     return list(await asyncio.gather(*(one(i) for i in range(len(texts)))))
 
 
-def metric(http_url: str, name: str) -> float:
+def metric(http_url: str, name: str, labels: str = "") -> float:
+    """A gateway's metric (``labels``: as the exposition writes them, ``{a="b"}``)."""
     base = http_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
         for line in reply.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                if name + "{" in line and 'outcome="continued"' not in line:
-                    continue
+            if line.startswith(f"{name}{labels} "):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
+def cli_streams(
+    targets: Sequence[str], texts: Sequence[str], max_tokens: int, env: dict[str, str],
+    kill: Callable[[], None] | None, kill_delay_s: float,
+) -> list[Stream]:  # fmt: skip
+    """Two ``pdserve generate --target A,B --json`` processes, half the prompts each, one
+    starting on each gateway; ``kill`` once every stream runs on a decode worker and
+    ``kill_delay_s`` more went by. No per-message times: the CLI prints each result whole."""
+    from pdserve.cli.commands.status import fetch
+
+    orders = [list(targets), list(reversed(targets))]
+    halves = [list(texts[0::2]), list(texts[1::2])]
+    processes = []
+    for order, half in zip(orders, halves, strict=True):
+        argv = [*CLI, "generate", "--target", ",".join(order), "--json", "--max-tokens",
+                str(max_tokens), "--ignore-eos", *half]  # fmt: skip
+        processes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env))  # fmt: skip
+    if kill is not None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            workers = asyncio.run(fetch(targets[0]))
+            running = [w["running"] for w in workers if w["role"] == "decode"]
+            if sum(int(str(r)) for r in running) >= len(texts):
+                break
+            time.sleep(0.2)
+        time.sleep(kill_delay_s)
+        kill()
+    by_prompt: dict[str, Stream] = {}
+    for process in processes:
+        out, err = process.communicate(timeout=1800)
+        if process.returncode != 0:
+            raise RuntimeError(f"pdserve generate failed: {err}")
+        for line in out.splitlines():
+            record = json.loads(line)
+            by_prompt[record["prompt"]] = Stream(tokens=record["token_ids"], text=record["text"],
+                                                 finish=record["finish_reason"])  # fmt: skip
+    return [by_prompt[t] for t in texts]
+
+
 def summarize(kind: str, reference: list[Stream], killed: list[Stream], gate: Gate,
-              recomputed: float, blocks: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+              recomputed: float, continued: float,
+              blocks: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     same = [
-        (k.tokens == r.tokens) if kind == "grpc" else (k.text == r.text)
+        (k.tokens == r.tokens) if kind != "openai" else (k.text == r.text)
         for k, r in zip(killed, reference, strict=True)
     ]
     seams: list[float] = []
@@ -209,7 +253,8 @@ def summarize(kind: str, reference: list[Stream], killed: list[Stream], gate: Ga
     return {
         "kind": kind,
         "streams": len(killed),
-        "resumed": sum(1 for s in killed if s.resumed_at),
+        # The CLI's streams: the surviving gateway's count of resumes it continued.
+        "resumed": sum(1 for s in killed if s.resumed_at) if kind != "cli" else int(continued),
         "identical": sum(same),
         "finished_length": sum(1 for s in killed if s.finish == "length"),
         "seam_gap_ms_p50": pct(seams, 50), "seam_gap_ms_p99": pct(seams, 99),
@@ -228,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     port = free_port()
     started = subprocess.run(
-        [*CLI, "up", "--detach", "--gateways", "3", "--port", str(port), "--http-port", "0",
+        [*CLI, "up", "--detach", "--gateways", "4", "--port", str(port), "--http-port", "0",
          "--kserve-port", "-1", *args.up_arg],
         env=env, capture_output=True, text=True, timeout=1200, check=False,
     )  # fmt: skip
@@ -237,36 +282,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     try:
         state = StackState.load(run_dir / "stack.json")
-        assert state is not None and len(state.gateway_endpoints) == 3
+        assert state is not None and len(state.gateway_endpoints) == 4
         pids = {c.address: c.pid for c in state.children}
         ends = state.gateway_endpoints
         with urllib.request.urlopen(ends[0]["http"] + "/models", timeout=10) as reply:
             model = json.loads(reply.read())["data"][0]["id"]
         texts = prompts(args.streams)
-        for kind, doomed in (("grpc", 1), ("openai", 2)):
+        for kind, doomed in (("grpc", 1), ("openai", 2), ("cli", 3)):
             if kind not in args.kinds:
                 continue
             pair = [ends[0], ends[doomed]]
-
-            async def streams(gate: Gate, pair: list[dict[str, str]] = pair,
-                              kind: str = kind) -> list[Stream]:  # fmt: skip
-                if kind == "grpc":
-                    return await grpc_streams([e["grpc"] for e in pair], texts, args.max_tokens, gate)
-                urls = [e["http"].removesuffix("/v1") for e in pair]
-                return await openai_streams(model, urls, texts, args.max_tokens, gate)
-
-            reference = asyncio.run(streams(Gate(len(texts), args.kill_at, None)))
-            before = metric(ends[0]["http"], "pdserve:resume_recomputed_tokens_total")
             victim = pids[ends[doomed]["grpc"]]
 
             def kill(victim: int = victim) -> None:
                 os.kill(victim, signal.SIGKILL)
 
+            def streams(gate: Gate, pair: list[dict[str, str]] = pair,
+                        kind: str = kind) -> list[Stream]:  # fmt: skip
+                if kind == "grpc":
+                    return asyncio.run(grpc_streams([e["grpc"] for e in pair], texts,
+                                                    args.max_tokens, gate))  # fmt: skip
+                if kind == "cli":
+                    return cli_streams([e["grpc"] for e in pair], texts, args.max_tokens, env,
+                                       gate.kill, args.cli_kill_delay_s)  # fmt: skip
+                urls = [e["http"].removesuffix("/v1") for e in pair]
+                return asyncio.run(openai_streams(model, urls, texts, args.max_tokens, gate))
+
+            reference = streams(Gate(len(texts), args.kill_at, None))
+            gauges = ("pdserve:resume_recomputed_tokens_total", ""), \
+                ("pdserve:resumes_total", '{outcome="continued"}')
+            before = [metric(ends[0]["http"], *g) for g in gauges]
             gate = Gate(len(texts), args.kill_at, kill)
-            killed = asyncio.run(streams(gate))
-            recomputed = metric(ends[0]["http"], "pdserve:resume_recomputed_tokens_total") - before
+            killed = streams(gate)
+            recomputed, continued = (metric(ends[0]["http"], *g) - b
+                                     for g, b in zip(gauges, before, strict=True))  # fmt: skip
             blocks = asyncio.run(blocks_free_after(ends[0]["grpc"]))
-            results.append(summarize(kind, reference, killed, gate, recomputed, blocks))
+            results.append(summarize(kind, reference, killed, gate, recomputed, continued,
+                                     blocks))  # fmt: skip
             print(format_row(results[-1]), flush=True)
     finally:
         subprocess.run([*CLI, "down"], env=env, capture_output=True, timeout=300, check=False)
@@ -300,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--kill-at", type=int, default=100,
                         help="SIGKILL the doomed gateway once every stream has this many tokens")
-    parser.add_argument("--kinds", nargs="+", default=["grpc", "openai"], choices=["grpc", "openai"])
+    parser.add_argument("--kinds", nargs="+", default=["grpc", "openai", "cli"],
+                        choices=["grpc", "openai", "cli"])
+    parser.add_argument("--cli-kill-delay-s", type=float, default=5.0,
+                        help="cli: SIGKILL this long after every stream runs on a decode worker")
     parser.add_argument("--up-arg", action="append", default=[],
                         help="passed to pdserve up (repeatable), e.g. --up-arg=--decode=2")
     parser.add_argument("--result-dir", type=Path, default=None)
