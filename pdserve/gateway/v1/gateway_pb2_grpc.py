@@ -98,7 +98,8 @@ class GatewayServiceServicer:
         lost or repeated: greedy and seeded requests produce exactly the tokens
         the unbroken stream would have; the KV cached so far is reused. A
         request can be resumed while the gateway keeps its record (its
-        --resume-ttl-s after its last message); a finished one returns its end.
+        --resume-ttl-s after its last message); a finished one returns its end
+        (the tokens the client lacks, without logprobs: the record keeps none).
 
         Status codes:
         OK: generation finished; the last message has finish_reason set.
