@@ -7,7 +7,7 @@ import os
 import sys
 
 import common.openmp  # noqa: F401  (first: OpenMP's wait policy before any role loads torch)
-from common.heap import tune_malloc
+from common.heap import HeapTrimmer, tune_malloc
 from common.telemetry.logs import configure_logging
 from pdserve.cli.commands import (
     bench,
@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    tune_malloc()
+    if tune_malloc():  # and, with it, a bound on the freed memory all arenas keep
+        trimmer = HeapTrimmer.for_this_process()
+        if trimmer is not None:
+            trimmer.start()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OSError) as exc:
