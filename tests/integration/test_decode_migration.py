@@ -480,8 +480,8 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_and_repeats_nothing(
     beyond_prompt = 0
     for request_id in migrated:
         found = re.search(
-            rf"decode {request_id}: length, prompt (\d+) tokens \(0 cached, (\d+) imported "
-            r"from block_store",
+            rf"decode {request_id}: length, prompt (\d+) tokens \(0 context tokens cached, "
+            r"(\d+) imported from block_store",
             survivor_log,
         )
         assert found, request_id
