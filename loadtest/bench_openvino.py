@@ -41,8 +41,13 @@ OV_WORKER = REPO / "loadtest" / "baselines" / "openvino_engine.py"
 # serves it with no options: its GGUF file's own quantization).
 PDSERVE_SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "seqs64": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
-    "seqs64-act8": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "quant_act_bits": 8},
+    "kv16": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_dtype": "float16"},
+    "act8-kv16": {
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 2048,
+        "kv_dtype": "float16",
+        "quant_act_bits": 8,
+    },
 }
 # name -> the export (under the build script's cache), SchedulerConfig fields, CPU properties.
 OPENVINO_SETTINGS: dict[str, dict[str, Any]] = {
