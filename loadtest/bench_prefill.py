@@ -4,6 +4,9 @@ length, one output token, best of ``--repeats``, prompts fed in chunks of
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python loadtest/bench_prefill.py \\
         --model ~/.cache/pdserve/bench-quant/SmolLM2-135M-Instruct.Q4_K_M.gguf --act-bits 8
+
+``--prefill-attention kernel,sdpa`` builds an engine for each way the cpp backend attends
+prompt tokens and alternates them prompt by prompt (the same prompts for each).
 """
 
 from __future__ import annotations
@@ -31,31 +34,47 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,2048,4000", help="prompt tokens, comma-separated")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-attention", default="auto",
+                        help="EngineConfig.prefill_attention, or several comma-separated")  # fmt: skip
     args = parser.parse_args()
-    config = EngineConfig(
-        model=resolve_model(args.model), device="cpu", quantization=args.quantization,
-        quant_act_bits=args.act_bits, kv_dtype=args.kv_dtype, kv_cache_memory="1GiB",
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )  # fmt: skip
-    engine = Engine(config)
-    vocab = engine.runner.model.spec.vocab_size
-    rng = torch.Generator().manual_seed(0)
+    engines = {}
+    for mode in args.prefill_attention.split(","):
+        config = EngineConfig(
+            model=resolve_model(args.model), device="cpu", quantization=args.quantization,
+            quant_act_bits=args.act_bits, kv_dtype=args.kv_dtype, kv_cache_memory="1GiB",
+            max_num_batched_tokens=args.max_num_batched_tokens, prefill_attention=mode,
+        )  # fmt: skip
+        engines[mode] = Engine(config)
+    first = next(iter(engines.values()))
+    vocab = first.runner.model.spec.vocab_size
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
-    def prefill(length: int, request_id: str) -> float:
-        prompt = torch.randint(100, vocab, (length,), generator=rng).tolist()
+    def prefill(engine: Engine, prompt: list[int], request_id: str) -> float:
         engine.add_request(request_id, prompt, params)
         start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
         return time.perf_counter() - start
 
-    prefill(64, "warm-up")
-    print(f"{engine.runner.weight_format.describe()}, KV {engine.runner.kv_dtype}, "
-          f"chunks of {args.max_num_batched_tokens}")  # fmt: skip
+    rng = torch.Generator().manual_seed(0)
+    for mode, engine in engines.items():
+        prefill(engine, torch.randint(100, vocab, (64,), generator=rng).tolist(), "warm-up")
+        backend = engine.runner.backend
+        print(f"[{mode}] {first.runner.weight_format.describe()}, KV {engine.runner.kv_dtype}, "
+              f"chunks of {args.max_num_batched_tokens}, {type(backend).__name__}, prompt "
+              f"attention {'sdpa' if getattr(backend, 'sdpa_prefill', False) else 'kernel'}")  # fmt: skip
     for length in (int(x) for x in args.lengths.split(",")):
-        best = min(prefill(length, f"p{length}-{i}") for i in range(args.repeats))
-        print(f"prefill {length:>5} tokens: {best * 1e3:7.0f} ms ({length / best:6.0f} tok/s)")
+        times: dict[str, list[float]] = {mode: [] for mode in engines}
+        for i in range(args.repeats):
+            # a fresh prompt each repeat (no prefix-cache hit), the same one for every mode
+            prompt = torch.randint(100, vocab, (length,), generator=rng).tolist()
+            for mode, engine in engines.items():
+                times[mode].append(prefill(engine, prompt, f"p{length}-{i}"))
+        line = f"prefill {length:>5} tokens:"
+        for mode, t in times.items():
+            best = min(t)
+            line += f"  [{mode}] {best * 1e3:7.0f} ms ({length / best:6.0f} tok/s)"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 DTYPES = ("float32", "bfloat16", "float16")
+PREFILL_ATTENTION = ("auto", "kernel", "sdpa")
 
 # KV cache element types: the float dtypes, or int8 / fp8 (e4m3fn) codes with block scales.
 KV_DTYPES = (*DTYPES, "int8", "fp8")
@@ -62,6 +63,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # auto = triton on CUDA; on CPU cpp (fused C++ ops) for quantized weights, else torch
     attention_backend: str = "auto"
+    # The cpp backend's prompt rows: "kernel" (its decode kernel, a row per prompt token),
+    # "sdpa" (torch's scaled_dot_product_attention per chunk), "auto" = sdpa where the
+    # kernel has no AVX-512 path (cpp_backend.py says why).
+    prefill_attention: str = "auto"
     kv_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 quantize the KV cache
     # CPU: write the whole KV pool at start, so that no request pays the page faults of its
     # blocks' first use (the pool's memory is held from start); off = mapped as first used.
@@ -115,6 +120,11 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend must be auto, torch, triton or cpp, got "
                 f"{self.attention_backend!r}"
+            )
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(
+                f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, "
+                f"got {self.prefill_attention!r}"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
@@ -175,6 +185,7 @@ class EngineConfig:
         """Flags win over ``PDSERVE_*`` environment variables, which win over defaults."""
         env = {
             "attention_backend": os.environ.get("PDSERVE_ATTENTION_BACKEND"),
+            "prefill_attention": os.environ.get("PDSERVE_PREFILL_ATTENTION"),
             "kv_cache_memory": os.environ.get("PDSERVE_KV_CACHE_MEMORY"),
             "device": os.environ.get("PDSERVE_DEVICE"),
             "kv_dtype": os.environ.get("PDSERVE_KV_DTYPE"),

@@ -127,7 +127,7 @@ class ModelRunner:
         )  # fmt: skip
         self.backend = select_backend(
             config.attention_backend, self.device, spec.sliding_window,
-            self.weight_format.quantized,
+            self.weight_format.quantized, config.prefill_attention,
         )  # fmt: skip
         self.model: CausalLM = build_model(
             spec, config.model, self.backend, self.dtype, self.device, self.weight_format

@@ -54,6 +54,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "torch (transformers' exact numerics) for float ones (env PDSERVE_ATTENTION_BACKEND)",
     )
     group.add_argument(
+        "--prefill-attention",
+        default=None,
+        choices=["auto", "kernel", "sdpa"],
+        help="the cpp backend's prompt tokens: kernel (a decode query per token: a sequence's "
+        "bits whatever its chunking), sdpa (torch's fused attention per chunk); auto = sdpa on "
+        "CPUs without AVX-512, where it is the faster (env PDSERVE_PREFILL_ATTENTION)",
+    )
+    group.add_argument(
         "--kv-dtype",
         default=None,
         choices=KV_DTYPE_CHOICES,
@@ -160,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> EngineC
         max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
+        prefill_attention=args.prefill_attention,
         kv_dtype=args.kv_dtype,
         kv_prefault=args.kv_prefault,
         num_threads=args.threads,

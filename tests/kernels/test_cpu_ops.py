@@ -585,15 +585,11 @@ def test_the_sampler_takes_the_kernels_argmax_once_loaded(ops: ModuleType) -> No
 # -- the backend and the engine ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, *HALF_KV])
-def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.dtype) -> None:
-    """One mixed step (two decodes, a fresh prefill and a prefill after a cached prefix)
-    through both backends' forward: the same cache contents bit for bit, outputs within
-    float32 rounding. A float16 / bfloat16 cache: the same rounded contents, and the C++
-    output is the bits of its float32 path over those values (the torch backend's, which
-    attends over the step's own K/V unrounded, within the cache's rounding)."""
-    from common.engine.attention.cpp_backend import CppAttentionBackend
-
+def _mixed_step(
+    kv_dtype: torch.dtype,
+) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mixed step: (batch, q, k, v, k_cache, v_cache); block size 4, 2 kv heads, 6 query
+    heads, head dim 32."""
     gen = _gen(6)
     block_size, num_kv_heads, num_q_heads, head_dim, num_blocks = 4, 2, 6, 32, 24
     # Sequences: decode at len 9 (blocks 3,4,5), decode at len 4 (block 7),
@@ -630,9 +626,24 @@ def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.
     q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    return batch, q, k, v, k_cache, v_cache
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, *HALF_KV])
+def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.dtype) -> None:
+    """One mixed step (two decodes, a fresh prefill and a prefill after a cached prefix)
+    through both backends' forward, every row on the kernel: the same cache contents bit for
+    bit, outputs within float32 rounding. A float16 / bfloat16 cache: the same rounded
+    contents, and the C++ output is the bits of its float32 path over those values (the torch
+    backend's, which attends over the step's own K/V unrounded, within the cache's
+    rounding)."""
+    from common.engine.attention.cpp_backend import CppAttentionBackend
+
+    batch, q, k, v, k_cache, v_cache = _mixed_step(kv_dtype)
+    block_size, head_dim = 4, 32
     for window in (None, 5):
         results = []
-        for backend in (TorchAttentionBackend(window), CppAttentionBackend(window)):
+        for backend in (TorchAttentionBackend(window), CppAttentionBackend(window, "kernel")):
             kv = LayerKV(k_cache.clone(), v_cache.clone())
             if isinstance(backend, CppAttentionBackend):
                 assert backend.takes(kv)
@@ -645,12 +656,44 @@ def test_cpp_backend_step_equals_torch_backend(ops: ModuleType, kv_dtype: torch.
         if kv_dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             continue
-        backend = CppAttentionBackend(window)
+        backend = CppAttentionBackend(window, "kernel")
         kv = LayerKV(k_cache.float(), v_cache.float())
         rounded = backend.forward(q, k.to(kv_dtype).float(), v.to(kv_dtype).float(), kv,
                                   backend.prepare(batch, block_size), head_dim**-0.5)  # fmt: skip
         assert torch.equal(got, rounded)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2 if kv_dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_sdpa_prefill_sends_the_chunks_to_sdpa_and_the_decodes_to_the_kernel(
+    ops: ModuleType, kv_dtype: torch.dtype
+) -> None:
+    """prefill_attention="sdpa": the same mixed step's prompt rows are the torch backend's
+    bits (its scaled_dot_product_attention, fresh and after a cached prefix), its decode
+    rows the kernel's bits, as every-row-on-the-kernel gives them; the cache is written the
+    same. "auto" is sdpa exactly where the kernel has no AVX-512 path."""
+    from common.engine.attention.cpp_backend import CppAttentionBackend
+
+    batch, q, k, v, k_cache, v_cache = _mixed_step(kv_dtype)
+    block_size, head_dim, decodes = 4, 32, 2
+    for window in (None, 5):
+        outs, caches = [], []
+        for backend in (TorchAttentionBackend(window), CppAttentionBackend(window, "sdpa"),
+                        CppAttentionBackend(window, "kernel")):  # fmt: skip
+            kv = LayerKV(k_cache.clone(), v_cache.clone())
+            outs.append(backend.forward(q, k, v, kv, backend.prepare(batch, block_size),
+                                        head_dim**-0.5))  # fmt: skip
+            caches.append(kv)
+        torch_out, sdpa_out, kernel_out = outs
+        assert torch.equal(sdpa_out[decodes:], torch_out[decodes:])
+        assert torch.equal(sdpa_out[:decodes], kernel_out[:decodes])
+        for kv in caches[1:]:
+            assert torch.equal(kv.k_cache, caches[0].k_cache)
+            assert torch.equal(kv.v_cache, caches[0].v_cache)
+    assert CppAttentionBackend(None, "auto").sdpa_prefill == (not ops.has_x16())
+    assert CppAttentionBackend(None).sdpa_prefill == (not ops.has_x16())
+    with pytest.raises(ValueError, match="prefill_attention must be auto, kernel or sdpa"):
+        CppAttentionBackend(None, "flash")
 
 
 @pytest.fixture(scope="module")
@@ -673,13 +716,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ENGINE_LOGIT_TOL = {"none": 5e-5, "int4": 1e-2}
 
 
+@pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
 @pytest.mark.parametrize("quantization", list(ENGINE_LOGIT_TOL))
 @num_threads(1)  # tiny ops: on a busy machine a second thread is only a sync to wait on
 def test_engine_same_greedy_tokens_with_cpp_and_torch_attention(
-    tiny_llama: Path, quantization: str
+    tiny_llama: Path, quantization: str, prefill: str
 ) -> None:
     """A tiny llama, float or int4 (C++ matmuls, 16-bit activation codes, in both), with the
-    fused C++ ops or the torch ones: the same greedy tokens and every step's logits close."""
+    fused C++ ops (prompt tokens on the kernel or through SDPA) or the torch ones: the same
+    greedy tokens and every step's logits close."""
     from common.contract.sampling import SamplingParams
     from tests.factories import random_prompts, run_to_completion, tiny_engine
 
@@ -690,6 +735,7 @@ def test_engine_same_greedy_tokens_with_cpp_and_torch_attention(
         engine = tiny_engine(
             tiny_llama, quantization=quantization, quant_kernel="cpp", quant_act_bits=16,
             attention_backend=backend, max_num_batched_tokens=48,  # chunked prefill and decodes
+            prefill_attention=prefill,
         )  # fmt: skip
         assert engine.runner.backend.name == backend
         recorded: dict[str, list[torch.Tensor]] = {}

@@ -25,7 +25,7 @@ UP_ARGV = [
     "--quantization", "int4", "--quant-group-size", "64", "--quant-kernel", "torch",
     "--quant-act-bits", "8", "--kv-dtype", "int8", "--kv-eviction", "streaming", "--sink-tokens", "4",
     "--window-tokens", "512", "--kv-compression", "snapkv", "--snapkv-budget-tokens", "640",
-    "--snapkv-window-tokens", "24", "--kv-prefault",
+    "--snapkv-window-tokens", "24", "--kv-prefault", "--prefill-attention", "sdpa",
 ]  # fmt: skip
 
 
@@ -159,3 +159,17 @@ def test_each_gateway_takes_its_own_ports() -> None:
     free = parser.parse_args(["up", "--http-port", "0", "--kserve-port", "0"])
     _, http, kserve = gateway_ports(free, 1)
     assert http > 0 and kserve > 0 and http != kserve
+
+
+def test_prefill_attention_comes_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = build_parser().parse_args(["decode", "--prefill-attention", "kernel"])
+    assert engine_config_from_args(worker, "model").prefill_attention == "kernel"
+    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "sdpa")
+    assert EngineConfig.from_env("model").prefill_attention == "sdpa"
+    assert EngineConfig.from_env("model", prefill_attention="kernel").prefill_attention == "kernel"
+    monkeypatch.delenv("PDSERVE_PREFILL_ATTENTION")
+    assert EngineConfig.from_env("model").prefill_attention == "auto"
+    with pytest.raises(ValueError, match="prefill_attention must be one of auto, kernel, sdpa"):
+        EngineConfig(model="model", prefill_attention="flash")

@@ -29,7 +29,11 @@ def resolve_backend_name(name: str, device: torch.device, quantized: bool = Fals
 
 
 def select_backend(
-    name: str, device: torch.device, sliding_window: int | None, quantized: bool = False
+    name: str,
+    device: torch.device,
+    sliding_window: int | None,
+    quantized: bool = False,
+    prefill_attention: str = "auto",
 ) -> AttentionBackend:
     chosen = resolve_backend_name(name, device, quantized)
     if chosen == "triton":
@@ -42,7 +46,7 @@ def select_backend(
             raise ValueError(f"the cpp attention backend runs on the CPU, not {device}")
         from common.engine.attention.cpp_backend import CppAttentionBackend
 
-        return CppAttentionBackend(sliding_window)
+        return CppAttentionBackend(sliding_window, prefill_attention)
     return TorchAttentionBackend(sliding_window)
 
 

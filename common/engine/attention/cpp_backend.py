@@ -20,6 +20,17 @@ whole prefills of the default model (chunks of 1024): the same within 3 % up to 
 step is only decodes and verifies, the fused decoder (common/models/quant/fused_decode.py)
 calls the same kernel.
 
+That holds where the kernel has its AVX-512 path (decode_attention_x16.cpp, which serves a
+chunk's rows in groups). On a CPU without AVX-512, ops.cpp's AVX2 path computes row after
+row, and torch's ``scaled_dot_product_attention`` is the faster one for prompts (see
+``prefill_attention``); there the matmuls are not batch-invariant anyway (the x16 weight
+layouts need AVX-512), so a sequence's bits already depend on its batching and nothing is
+lost. ``prefill_attention`` (EngineConfig, ``--prefill-attention``): ``kernel`` keeps every
+prompt token on the kernel, ``sdpa`` sends each prefill chunk through the torch backend's
+path (a fresh chunk over its own K/V, a chunk after a cached prefix over the gathered
+context) while decode and verify rows stay on the kernel, ``auto`` is ``sdpa`` where the
+kernel has no AVX-512 path and ``kernel`` where it has.
+
 The results differ from the torch backend's by float rounding (other summation orders, an
 exp accurate to about 2e-7), which is why ``auto`` picks this backend only for quantized
 weights, where transformers' exact numerics are not the reference anyway, and the torch
@@ -77,13 +88,20 @@ def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
 class CppAttentionBackend(TorchAttentionBackend):
     name = "cpp"
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, prefill_attention: str = "auto") -> None:
         from kernels.cpu import load
 
         super().__init__(sliding_window)
         self.ops = load()
         self.window = sliding_window or 0
         self._takes: dict[tuple[torch.dtype, int], bool] = {}  # (cache dtype, head dim)
+        if prefill_attention == "auto":
+            prefill_attention = "kernel" if self.ops.has_x16() else "sdpa"
+        if prefill_attention not in ("kernel", "sdpa"):
+            raise ValueError(
+                f"prefill_attention must be auto, kernel or sdpa, got {prefill_attention!r}"
+            )
+        self.sdpa_prefill = prefill_attention == "sdpa"
 
     def takes(self, kv: LayerKV) -> bool:
         """Whether the C++ kernels write and attend over this layer's cache."""
@@ -100,11 +118,17 @@ class CppAttentionBackend(TorchAttentionBackend):
         no_ids = torch.empty(0, 0, dtype=torch.long)
         no_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool)
         row_tables, row_lens = batch.decode_block_tables, batch.decode_seq_lens
-        if batch.num_prefills:
+        prefill_ids: list[torch.Tensor] = []
+        prefill_masks: list[torch.Tensor | None] = []
+        if batch.num_prefills and self.sdpa_prefill:
+            # The kernel takes the decode rows alone; the chunks go through SDPA.
+            prefill_ids, prefill_masks = self._prepare_prefills(batch, block_size)
+        elif batch.num_prefills:
             row_tables, row_lens = _query_rows(batch)
         return CppAttentionMetadata(
-            batch, no_ids, no_mask, [], [], block_size, row_tables, row_lens
-        )
+            batch, no_ids, no_mask, prefill_ids, prefill_masks, block_size, row_tables,
+            row_lens,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -119,12 +143,23 @@ class CppAttentionBackend(TorchAttentionBackend):
         if q.dtype != torch.float32 or not self.takes(kv):
             return self._torch_forward(q, k, v, kv, metadata, scale)
         self.ops.write_kv(k, v, kv.k_cache, kv.v_cache, metadata.batch.slot_mapping)
+        batch = metadata.batch
+        if batch.num_prefills and self.sdpa_prefill:
+            out = torch.empty_like(q)
+            decodes = batch.num_decode_tokens
+            if decodes:
+                out[:decodes] = self.ops.paged_decode_attention(
+                    q[:decodes], kv.k_cache, kv.v_cache, metadata.row_tables,
+                    metadata.row_lens, scale, self.window,
+                )  # fmt: skip
+            self._prefills(q, k, v, kv, metadata, scale, out)
+            return out
         # Every row, decode or prompt token, after every K/V of the step is written.
-        out: torch.Tensor = self.ops.paged_decode_attention(
+        result: torch.Tensor = self.ops.paged_decode_attention(
             q, kv.k_cache, kv.v_cache, metadata.row_tables, metadata.row_lens, scale,
             self.window,
         )  # fmt: skip
-        return out
+        return result
 
     def _torch_forward(
         self,

@@ -64,7 +64,8 @@ class Pki:
 # Engine flags forwarded to every worker as given.
 _ENGINE_FLAGS = (
     "dtype", "device", "kv_cache_memory", "num_kv_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "attention_backend", "block_size", "kv_dtype",
+    "max_num_batched_tokens", "max_model_len", "attention_backend", "prefill_attention",
+    "block_size", "kv_dtype",
     "kv_prefault",
     "quantization", "quant_group_size", "quant_kernel", "quant_act_bits",
     "kv_compression", "snapkv_budget_tokens", "snapkv_window_tokens",
@@ -209,6 +210,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--attention-backend", default=None)
+    up.add_argument("--prefill-attention", default=None, choices=["auto", "kernel", "sdpa"],
+                    help="every engine worker's (see pdserve decode --help)")  # fmt: skip
     up.add_argument(
         "--kv-dtype",
         default=None,
