@@ -11,7 +11,8 @@
    round, the engines' order alternating between rounds. Settings: each engine's defaults (as
    a user who loads the model with no options gets them) and the alternatives below; per case
    the report gives the defaults, the best setting (the highest median over the rounds), and
-   the ratios pdserve / OpenVINO of both.
+   the ratios pdserve / OpenVINO of both. pdserve's process applies glibc's tuning as every
+   pdserve server process does (common/heap.py tune_malloc).
 
 Run it on a quiet machine:
 
@@ -102,9 +103,13 @@ def pdserve_worker(workload_path: str, settings_path: str, result_path: str) -> 
 
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
+    from common.heap import tune_malloc
     from loadtest.baselines.engine_cases import run_cases
     from loadtest.gpu_check import SteppedPdserve
 
+    # As every pdserve server process starts (pdserve/cli/main.py): glibc keeps the steps'
+    # large buffers in the heap instead of mapping fresh, zeroed pages for each.
+    malloc_tuned = tune_malloc()
     workload = json.loads(Path(workload_path).read_text())
     settings = json.loads(Path(settings_path).read_text())
     start = time.perf_counter()
@@ -113,6 +118,7 @@ def pdserve_worker(workload_path: str, settings_path: str, result_path: str) -> 
     wf = engine.runner.weight_format
     figures = run_cases(SteppedPdserve(engine), workload, log=log)
     result = {"engine": "pdserve", "load_s": load_s, "threads": torch.get_num_threads(),
+              "malloc_tuned": malloc_tuned,
               "weight_format": {"name": wf.name, "file_type": wf.file_type, "kernel": wf.kernel,
                                 "act_bits": wf.act_bits},
               "attention": type(engine.runner.backend).__name__, "cases": figures}  # fmt: skip
