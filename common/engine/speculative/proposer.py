@@ -8,7 +8,8 @@ when a request ends here, and ``cold`` (see ``Proposer``).
 index (ngram.py), kept on the request and fed verified tokens only, so it survives
 preemption and is rebuilt from the tokens wherever the request continues (a migrated
 request needs no proposer state on the wire). ``DraftModelProposer`` (draft.py) runs a
-draft model.
+draft model. ``SuffixProposer`` (``method: suffix``, suffix.py) looks the context up in the
+request's suffix tree and in its tenant's tree of earlier responses.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Proposer(Protocol):
 def proposer_for(config: SpeculativeConfig, target: EngineConfig, vocab_size: int) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "suffix":
+        from common.engine.speculative.suffix import SuffixProposer
+
+        return SuffixProposer(config)
     if config.method == "draft_model":
         from common.engine.speculative.draft import DraftModelProposer
 
