@@ -110,6 +110,22 @@ def test_no_global_tree_with_zero_cached_requests() -> None:
     assert proposer.stats()["cached_responses"] == 0
 
 
+def test_with_prompt_lookup_the_longer_match_wins() -> None:
+    # The trees see 2 tokens back (depth 2): "3 4" was followed by 50 and by 60. Prompt
+    # lookup (up to 4-grams) finds "1 2 3 4", followed by 50 9.
+    prompt = [1, 2, 3, 4, 50, 9, 8, 3, 4, 60, 7, 1, 2, 3, 4]
+    both = SuffixProposer(_config(suffix_decoding_max_tree_depth=2, prompt_lookup_max=4))
+    assert both.ngram == (1, 4)
+    assert both.propose(_request("a", prompt), 2) == [50, 9]
+    # Where the trees match longer, theirs win: a 5-token repeat against 2-grams at most.
+    deep = SuffixProposer(_config(prompt_lookup_max=2, prompt_lookup_min=2))
+    prompt = [20, 21, 22, 23, 24, 25, 26, 9, 22, 23, 30, 20, 21, 22, 23]
+    assert deep.propose(_request("b", prompt), 2) == [24, 25]  # lookup alone: 30 (latest)
+    config = _config(prompt_lookup_max=3)
+    assert config.suffix_with_ngram and SpeculativeConfig.from_json(config.to_json()) == config
+    assert not _config().suffix_with_ngram
+
+
 def test_the_config_takes_vllms_names_and_refuses_bad_values() -> None:
     config = _config(suffix_decoding_max_tree_depth=32, suffix_decoding_min_token_prob=0.2)
     assert SpeculativeConfig.from_json(config.to_json()) == config

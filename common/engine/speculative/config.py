@@ -58,6 +58,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # suffix with prompt_lookup_max / _min given: prompt lookup runs beside the trees and the
+    # guess after the longer match wins (set by from_dict; not a key of its own).
+    suffix_with_ngram: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,7 +72,7 @@ class SpeculativeConfig:
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens}"
             )
-        if self.method == "ngram":
+        if self.method == "ngram" or self.suffix_with_ngram:
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
                 raise SpeculativeConfigError(
                     "ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -134,6 +137,8 @@ class SpeculativeConfig:
                 raise SpeculativeConfigError(f"{key} must be a number, got {raw[key]!r}")
             if key in raw:
                 raw = {**raw, key: float(raw[key])}
+        if raw.get("method") == "suffix" and {"prompt_lookup_max", "prompt_lookup_min"} & set(raw):
+            raw = {**raw, "suffix_with_ngram": True}
         if raw.get("method") != "suffix" and _SUFFIX_KEYS & set(raw):
             raise SpeculativeConfigError(
                 f"{', '.join(sorted(_SUFFIX_KEYS & set(raw)))} apply to method suffix only"
@@ -156,6 +161,9 @@ class SpeculativeConfig:
         elif self.method == "suffix":
             for key in sorted(_SUFFIX_KEYS):
                 fields[key] = getattr(self, key)
+            if self.suffix_with_ngram:
+                fields["prompt_lookup_max"] = self.prompt_lookup_max
+                fields["prompt_lookup_min"] = self.prompt_lookup_min
         else:
             fields["model"] = self.model
             if self.quantization is not None:

@@ -50,13 +50,17 @@ class NgramIndex:
         occurred nowhere before (for every n). A continuation that runs into the end of
         the context goes on with the guesses themselves: the text since the occurrence
         repeats (a loop of P tokens is guessed P at a time otherwise)."""
+        return self.lookup(num_tokens)[0]
+
+    def lookup(self, num_tokens: int) -> tuple[list[int], int]:
+        """``propose``'s guesses and the length of the n-gram they follow (0: none)."""
         tokens = self.token_ids
         size = len(tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             e = self._ends[n - self.min_n].get(tuple(tokens[size - n :]))
             if e is not None:
-                return _continue(tokens, e, num_tokens)
-        return []
+                return _continue(tokens, e, num_tokens), n
+        return [], 0
 
 
 def _continue(tokens: list[int], start: int, num_tokens: int) -> list[int]:

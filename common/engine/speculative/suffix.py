@@ -24,6 +24,11 @@ responses and ``MAX_CACHED_TOKENS`` of their tokens; past either, the oldest res
 least recently used tenant is evicted first. A tenant with no response left and no request
 running here is dropped.
 
+With prompt lookup. Given ``prompt_lookup_max`` / ``prompt_lookup_min`` as well, the n-gram
+index of ``method: ngram`` (ngram.py) looks the context up beside the trees, and the guesses
+after the longer match win (a tie goes to the trees, whose guesses weigh how often each
+continuation followed).
+
 Across workers. A request's own tree is built on the worker where it first asks for
 guesses, from its tokens: a prompt imported from a prefill worker, or the prompt and output
 of a migrated or resumed stream. The global trees are per worker and start empty.
@@ -37,6 +42,7 @@ from typing import Any
 
 from common.engine.request import Request
 from common.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
+from common.engine.speculative.ngram import NgramIndex
 
 # Tokens of cached responses kept over all tenants' global trees (about 100 bytes a token
 # in the tree's nodes at depth 24: some 400 MB at the bound).
@@ -77,6 +83,11 @@ class SuffixProposer:
         self.max_cached_tokens = max_cached_tokens
         self.spec_factor = config.suffix_decoding_max_spec_factor
         self.min_token_prob = config.suffix_decoding_min_token_prob
+        self.ngram = (
+            (config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.suffix_with_ngram
+            else None
+        )
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()  # least recently used first
         self._active: dict[str, _Active] = {}
         self.cached_requests = 0
@@ -107,7 +118,16 @@ class SuffixProposer:
             req.request_id, context, max_spec_tokens=num_tokens,
             max_spec_factor=self.spec_factor, min_token_prob=self.min_token_prob,
         )  # fmt: skip
-        return list(draft.token_ids)[:num_tokens]
+        guesses = list(draft.token_ids)[:num_tokens]
+        if self.ngram is not None:
+            index = req.proposer_state
+            if not isinstance(index, NgramIndex):
+                index = req.proposer_state = NgramIndex(*self.ngram)
+            index.extend(req.token_ids[len(index) :])
+            looked_up, n = index.lookup(num_tokens)
+            if n > draft.match_len or not guesses:
+                guesses = looked_up
+        return guesses
 
     def forget(self, request_id: str) -> None:
         entry = self._active.pop(request_id, None)
