@@ -55,15 +55,18 @@ class EngineSnapshot:
     prefix_hit_tokens: int
     spec: SpecDecodeStats | None = None  # engines with a --speculative-config
     grammar: GrammarStats | None = None  # structured output
+    suffix: dict[str, int] | None = None  # method suffix: its trees (SuffixProposer.stats)
 
 
 def read_snapshot(engine: Engine) -> EngineSnapshot:
     """Engine thread only."""
     spec = engine.spec_stats.copy() if engine.speculative is not None else None
+    suffix_stats = getattr(engine.proposer, "stats", None)
     return EngineSnapshot(
         engine.stats(), engine.kv.prefix_query_tokens, engine.kv.prefix_hit_tokens, spec,
         dataclasses.replace(engine.grammars.stats),
-    )
+        suffix_stats() if suffix_stats is not None else None,
+    )  # fmt: skip
 
 
 class WorkerMetrics:
@@ -246,7 +249,26 @@ class EngineCollector(Collector):
             counter("kv_lease_expiries", "Leases that expired unreleased.",
                     self.leases.num_expired),
             *self._spec_families(snapshot.spec if snapshot else None, counter),
+            *self._suffix_families(snapshot.suffix if snapshot else None, gauge),
             *self._grammar_families(snapshot.grammar if snapshot else None, counter),
+        ]  # fmt: skip
+
+    @staticmethod
+    def _suffix_families(
+        suffix: dict[str, int] | None, gauge: Callable[[str, str, float | None], Metric]
+    ) -> list[Metric]:
+        """Suffix decoding's global trees, for engines that run it (absent otherwise)."""
+        if suffix is None:
+            return []
+        return [
+            gauge("suffix_decoding_cached_responses",
+                  "Past responses held in the tenants' suffix trees (bounded by "
+                  "suffix_decoding_max_cached_requests).", suffix["cached_responses"]),
+            gauge("suffix_decoding_cached_tokens",
+                  "Tokens of those responses (bounded by the worker's token budget).",
+                  suffix["cached_tokens"]),
+            gauge("suffix_decoding_tenants", "Tenants (cache salts) with a suffix tree here.",
+                  suffix["tenants"]),
         ]  # fmt: skip
 
     def _grammar_families(

@@ -165,3 +165,33 @@ def test_frozen_start_up_heap_is_out_of_the_collectors_sight() -> None:
         assert tracked < len(kept)
     finally:
         gc.unfreeze()  # the rest of this test process collects as before
+
+
+def test_suffix_decodings_trees_are_reported_by_an_engine_that_runs_it(tiny_dir: Path) -> None:
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="scripts/setup.sh builds it")
+    engine_config = EngineConfig(
+        model=str(tiny_dir), num_kv_blocks=64, block_size=16, device="cpu", dtype="float32",
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 4, "adaptive": false}',
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    runtime = WorkerRuntime(
+        WorkerConfig(role="decode", engine=engine_config), Engine(engine_config), registry
+    )
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        for request_id in ("a", "b"):
+            async for _ in runtime.loop.generate(request_id, list(range(3, 30)), sampling):
+                pass
+
+    runtime.loop.start()
+    try:
+        asyncio.run(run())
+        samples = samples_of(registry)
+        assert samples.sum("pdserve:suffix_decoding_cached_responses") == 2
+        assert samples.sum("pdserve:suffix_decoding_tenants") == 1
+        assert 0 < samples.sum("pdserve:suffix_decoding_cached_tokens") <= 2 * 6
+        figures = summarize(samples)  # what pdserve status shows of it
+        assert figures["suffix_cached_responses"] == 2 and figures["suffix_tenants"] == 1
+    finally:
+        runtime.loop.stop()

@@ -67,6 +67,8 @@ def summarize(samples: Samples) -> dict[str, float]:
         ("blockstore_blocks", "pdserve:blockstore_blocks"),
         ("spec_draft_tokens", "pdserve:spec_decode_num_draft_tokens_total"),
         ("spec_accepted_tokens", "pdserve:spec_decode_num_accepted_tokens_total"),
+        ("suffix_cached_responses", "pdserve:suffix_decoding_cached_responses"),
+        ("suffix_tenants", "pdserve:suffix_decoding_tenants"),
     ):
         if samples.has(name):
             figures[key] = samples.sum(name)
@@ -179,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         weights = str(w["weights"] or ("float" if w["role"] in ("prefill", "decode") else "-"))
         if "spec_acceptance_rate" in m:
             weights += f"  spec accepted {m['spec_acceptance_rate']:.0%}"
+        if "suffix_cached_responses" in m:
+            weights += (f"  suffix trees: {m['suffix_cached_responses']:.0f} responses, "
+                        f"{m['suffix_tenants']:.0f} tenants")  # fmt: skip
         print(f"{w['id']!s:<14} {w['role']!s:<10} {w['address']!s:<22} {w['pid'] or '-'!s:>7} {blocks:>15} "
               f"{w['running']!s:>4} {w['waiting']!s:>5} {w['prefix_cache_hit_rate']!s:>8} "
               f"{_count(m, 'requests'):>8} {_count(m, 'prompt_tokens'):>10} "
