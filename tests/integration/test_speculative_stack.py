@@ -215,6 +215,12 @@ def test_a_request_can_turn_speculation_off(spec_stack: Stack, llm: LLM) -> None
 def test_sigkill_of_a_speculating_decode_worker_loses_and_repeats_nothing(
     spec_stack: Stack, llm: LLM
 ) -> None:
+    sigkill_mid_stream(spec_stack, llm)
+
+
+def sigkill_mid_stream(spec_stack: Stack, llm: LLM) -> None:
+    """SIGKILLs a decode worker once streams are 20 tokens in: each stream ends as the plain
+    engine's (or parts at a near-tie), the survivor went on speculating, nothing is held."""
     prompts = PROMPTS * 3
     want = llm.generate(prompts, GREEDY)
     children = spec_stack.children()
