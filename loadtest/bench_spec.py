@@ -6,6 +6,11 @@ Workloads, each a list of chat prompts for the default model (SmolLM2-135M-Instr
   it (repeat, fix a word, turn it into a list), and multi-turn chat whose last turn asks
   for an earlier answer again: the output repeats text the context holds.
 - ``chat``: open chat, questions whose answers the context does not contain.
+- ``agentic``: an agent's traffic. Tool calls: a system prompt lists tools as JSON, each task
+  asks for the next call as JSON, some after earlier calls and their results in the
+  conversation; and code edits: one Python file, each request asks for one change and the
+  whole file back. Answers repeat structure across requests (the same JSON shape, the same
+  file), which a suffix tree over past responses can guess (``"method": "suffix"``).
 
 For each workload and concurrency (1: one request at a time; 16: sixteen at once, the
 prompts cycled) both engines run the same requests greedily, in alternating rounds
@@ -20,6 +25,9 @@ Run it on a quiet machine:
 
     .venv/bin/python -m loadtest.bench_spec [--threads 2] [--rounds 3] [--max-tokens 128]
         [--speculative-config JSON] [--concurrency 1,16] [--json out.json]
+    # suffix decoding (the global tree carries each round's answers into the next)
+    .venv/bin/python -m loadtest.bench_spec --speculative-config \
+        '{"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_spec_factor": 2}'
     # self-speculation: the float32 target drafted by its own GGUF
     .venv/bin/python -m loadtest.bench_spec --quantization none --workloads chat \
         --speculative-config '{"method": "draft_model", "model": "'$HOME/.cache/pdserve/models/SmolLM2-135M-Instruct'", "quantization": "gguf", "num_speculative_tokens": 4}'
@@ -76,6 +84,71 @@ def copy_prompts() -> list[list[dict[str, str]]]:
 
 def chat_prompts() -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+_TOOLS = (
+    'You can call these tools. Answer with one JSON object {"name": ..., "arguments": {...}} '
+    "and nothing else.\n"
+    '{"name": "get_weather", "description": "Current weather of a city", "parameters": '
+    '{"city": "string", "unit": "celsius or fahrenheit"}}\n'
+    '{"name": "search_flights", "description": "Flights between two cities on a date", '
+    '"parameters": {"origin": "string", "destination": "string", "date": "YYYY-MM-DD"}}\n'
+    '{"name": "send_email", "description": "Send an email", "parameters": {"to": "string", '
+    '"subject": "string", "body": "string"}}'
+)
+_TASKS = [
+    "What is the weather in Paris right now, in celsius?",
+    "Is it cold in Oslo today? Use fahrenheit.",
+    "Find me a flight from Berlin to Rome on 2026-03-14.",
+    "Find flights from Madrid to Lisbon on 2026-05-02.",
+    "Email bob@example.com that the meeting moved to Friday.",
+    "Tell alice@example.com the report is ready, subject Report.",
+]
+_FILE = '''import json
+from pathlib import Path
+
+
+def load_config(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_config(path, config):
+    Path(path).write_text(json.dumps(config, indent=2))
+
+
+def merge(base, override):
+    result = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merge(result[key], value)
+        else:
+            result[key] = value
+    return result
+'''
+_EDITS = [
+    "Rename the function merge to deep_merge everywhere.",
+    "Add a docstring to load_config.",
+    "Add type hints to save_config.",
+    "Make load_config return an empty dict when the file does not exist.",
+]
+
+
+def agentic_prompts() -> list[list[dict[str, str]]]:
+    chats: list[list[dict[str, str]]] = []
+    for task in _TASKS:
+        chats.append([{"role": "system", "content": _TOOLS}, {"role": "user", "content": task}])
+    # The next call after an earlier one and its result: the same shapes again.
+    chats.append([
+        {"role": "system", "content": _TOOLS},
+        {"role": "user", "content": "Check the weather in Rome, then email it to bob@example.com."},
+        {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Rome", '
+                                         '"unit": "celsius"}}'},
+        {"role": "user", "content": 'Tool result: {"temperature": 17, "sky": "clear"}'},
+    ])  # fmt: skip
+    for edit in _EDITS:
+        chats.append([{"role": "user", "content": f"{_FILE}\n{edit} Return the whole file."}])
+    return chats
 
 
 @dataclass
@@ -139,7 +212,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--speculative-config", default=DEFAULT_SPEC)
-    parser.add_argument("--workloads", default="copy,chat")
+    parser.add_argument("--workloads", default="copy,chat,agentic")
     parser.add_argument(
         "--quantization", default=None,
         help="the target's weight format (default: auto); with a draft_model config in "
@@ -153,7 +226,7 @@ def main() -> None:
     none = LLM(EngineConfig(model=model, num_threads=args.threads, **quant))
     spec = LLM(EngineConfig(model=model, num_threads=args.threads, **quant,
                             speculative_config=args.speculative_config))  # fmt: skip
-    workloads = {"copy": copy_prompts, "chat": chat_prompts}
+    workloads = {"copy": copy_prompts, "chat": chat_prompts, "agentic": agentic_prompts}
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     print(f"speculation: {args.speculative_config}; {args.threads} threads, "
           f"{args.max_tokens} tokens at most, greedy, {args.rounds} rounds", flush=True)  # fmt: skip
