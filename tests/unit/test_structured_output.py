@@ -277,12 +277,18 @@ def test_a_resumed_request_replays_its_tokens_and_ends_as_undisturbed(
         other.add_request("bad", PROMPT, sampling, output_token_ids=bad)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculation_on_and_off_give_the_same_constrained_output(
-    model_dir: Path, temperature: float
+    model_dir: Path, temperature: float, method: str
 ) -> None:
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                       "prompt_lookup_max": 3, "adaptive": False})  # fmt: skip
+    if method == "suffix":
+        pytest.importorskip("arctic_inference.suffix_decoding", reason="scripts/setup.sh builds it")
+        spec = json.dumps({"method": "suffix", "num_speculative_tokens": 3, "adaptive": False,
+                           "suffix_decoding_max_spec_factor": 2})  # fmt: skip
+    else:
+        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False})  # fmt: skip
     constraint = StructuredOutput(ConstraintKind.REGEX, r"(ab|abc|b){6,12}")
     # A prompt full of the pattern's text, so prompt lookup proposes often.
     tokenizer_engine = tiny_engine(model_dir)

@@ -18,6 +18,7 @@ pytest.importorskip("arctic_inference.suffix_decoding", reason="scripts/setup.sh
 from common.engine.speculative.suffix import SuffixProposer
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=5)
 
 
 def _config(**keys: object) -> SpeculativeConfig:
@@ -146,19 +147,22 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_greedy_output_is_the_same_with_suffix_decoding_on(ckpt: Path) -> None:
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_output_is_the_same_with_suffix_decoding_on(ckpt: Path, sampling: SamplingParams) -> None:
     """Rounds of the same prompts: from the second on, the tenant's global tree holds the
-    first round's answers and guesses are kept; the tokens are plain decoding's."""
+    first round's answers and guesses are kept; the tokens are plain decoding's, greedy or
+    seeded (rejection sampling keeps the target's distribution and the seed its draws)."""
     drawn = random_prompts(384, [30, 45, 12], seed=4)
     prompts = {f"r{i}": p + p[2:12] for i, p in enumerate(drawn)}
-    plain = run_to_completion(tiny_engine(ckpt, num_threads=1), prompts, GREEDY)
-    spec = tiny_engine(ckpt, num_threads=1, speculative_config=_config().to_json())
+    plain = run_to_completion(tiny_engine(ckpt, num_threads=1), prompts, sampling)
+    # Not adaptive: the policy's step costs are timings, and this test needs guesses.
+    spec = tiny_engine(ckpt, num_threads=1, speculative_config=_config(adaptive=False).to_json())
     kept = []
     for round_ in range(2):
         got: dict[str, list[int]] = {rid: [] for rid in prompts}
         accepted = 0
         for rid, prompt in prompts.items():
-            spec.add_request(f"{rid}-{round_}", prompt, GREEDY, cache_salt="tenant")
+            spec.add_request(f"{rid}-{round_}", prompt, sampling, cache_salt="tenant")
         while spec.has_unfinished():
             for out in spec.step():
                 got[out.request_id.rsplit("-", 1)[0]] += out.new_token_ids
@@ -166,4 +170,5 @@ def test_greedy_output_is_the_same_with_suffix_decoding_on(ckpt: Path) -> None:
                     accepted += out.spec[2]
         assert got == plain, round_
         kept.append(accepted)
+    print(f"{sampling.temperature}: guesses kept per round {kept}")
     assert kept[1] > kept[0], kept  # the second round guesses from the first's answers
