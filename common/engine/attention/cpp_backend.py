@@ -44,13 +44,17 @@ the torch backend's ops serve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from common.engine.attention.base import AttentionBatch, LayerKV
-from common.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from common.engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    prefill_chunk,
+)
 
 
 @dataclass
@@ -63,6 +67,9 @@ class CppAttentionMetadata(TorchAttentionMetadata):
     row_lens: torch.Tensor
     # The torch backend's metadata, built by the first layer that falls back to it.
     torch_metadata: TorchAttentionMetadata | None = None
+    # With SDPA for prompts: the chunks short enough to stay on the kernel, by index, with
+    # their rows' tables [q, M] and lengths [q].
+    kernel_chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +94,8 @@ def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 class CppAttentionBackend(TorchAttentionBackend):
     name = "cpp"
+    # With SDPA for prompts: chunks of fewer query tokens than this stay on the kernel.
+    sdpa_min_tokens = 0
 
     def __init__(self, sliding_window: int | None = None, prefill_attention: str = "auto") -> None:
         from kernels.cpu import load
@@ -120,14 +129,23 @@ class CppAttentionBackend(TorchAttentionBackend):
         row_tables, row_lens = batch.decode_block_tables, batch.decode_seq_lens
         prefill_ids: list[torch.Tensor] = []
         prefill_masks: list[torch.Tensor | None] = []
+        kernel_chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if batch.num_prefills and self.sdpa_prefill:
-            # The kernel takes the decode rows alone; the chunks go through SDPA.
+            # The kernel takes the decode rows alone (and the chunks too short for SDPA to
+            # pay); the other chunks go through SDPA.
             prefill_ids, prefill_masks = self._prepare_prefills(batch, block_size)
+            for i, (q_len, seq_len) in enumerate(
+                zip(batch.prefill_query_lens_host, batch.prefill_seq_lens_host, strict=True)
+            ):
+                if q_len < self.sdpa_min_tokens:
+                    tables = batch.prefill_block_tables[i : i + 1].expand(q_len, -1).contiguous()
+                    lens = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
+                    kernel_chunks[i] = (tables, lens)
         elif batch.num_prefills:
             row_tables, row_lens = _query_rows(batch)
         return CppAttentionMetadata(
             batch, no_ids, no_mask, prefill_ids, prefill_masks, block_size, row_tables,
-            row_lens,
+            row_lens, kernel_chunks=kernel_chunks,
         )  # fmt: skip
 
     def forward(
@@ -152,7 +170,18 @@ class CppAttentionBackend(TorchAttentionBackend):
                     q[:decodes], kv.k_cache, kv.v_cache, metadata.row_tables,
                     metadata.row_lens, scale, self.window,
                 )  # fmt: skip
-            self._prefills(q, k, v, kv, metadata, scale, out)
+            start = decodes
+            for i, q_len in enumerate(batch.prefill_query_lens_host):
+                end = start + q_len
+                chunk = metadata.kernel_chunks.get(i)
+                if chunk is None:
+                    out[start:end] = prefill_chunk(q, k, v, kv, metadata, scale, i, start)
+                else:
+                    out[start:end] = self.ops.paged_decode_attention(
+                        q[start:end], kv.k_cache, kv.v_cache, chunk[0], chunk[1], scale,
+                        self.window,
+                    )  # fmt: skip
+                start = end
             return out
         # Every row, decode or prompt token, after every K/V of the step is written.
         result: torch.Tensor = self.ops.paged_decode_attention(

@@ -116,22 +116,10 @@ class TorchAttentionBackend:
         out: torch.Tensor,
     ) -> None:
         """Attention of the prefill chunks (after the decode tokens) into ``out``."""
-        batch = metadata.batch
-        start = batch.num_decode_tokens
-        for i, q_len in enumerate(batch.prefill_query_lens_host):
-            end = start + q_len
-            mask = metadata.prefill_masks[i]
-            if mask is None and not kv.quantized:
-                keys, values = k[start:end], v[start:end]
-            else:
-                # A fresh chunk's mask stays None (causal): its keys are exactly its queries'.
-                block_ids = metadata.prefill_block_ids[i]
-                seq_len = batch.prefill_seq_lens_host[i]
-                keys = gather_blocks(kv.k_cache, kv.k_scale, block_ids, q.dtype)
-                values = gather_blocks(kv.v_cache, kv.v_scale, block_ids, q.dtype)
-                keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
-            out[start:end] = _dense_attention(q[start:end], keys, values, mask, scale)
-            start = end
+        start = metadata.batch.num_decode_tokens
+        for i, q_len in enumerate(metadata.batch.prefill_query_lens_host):
+            out[start : start + q_len] = prefill_chunk(q, k, v, kv, metadata, scale, i, start)
+            start += q_len
 
     @staticmethod
     def _decode(
@@ -174,6 +162,33 @@ class TorchAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = cos_sin[positions]  # [T, D]
         return apply_rotary(q, rows), apply_rotary(k, rows)
+
+
+def prefill_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    metadata: TorchAttentionMetadata,
+    scale: float,
+    i: int,
+    start: int,
+) -> torch.Tensor:
+    """Prefill chunk ``i``'s attention (its rows start at ``start``): a fresh chunk over its
+    own K/V, else over its sequence's gathered context."""
+    batch = metadata.batch
+    end = start + batch.prefill_query_lens_host[i]
+    mask = metadata.prefill_masks[i]
+    if mask is None and not kv.quantized:
+        keys, values = k[start:end], v[start:end]
+    else:
+        # A fresh chunk's mask stays None (causal): its keys are exactly its queries'.
+        block_ids = metadata.prefill_block_ids[i]
+        seq_len = batch.prefill_seq_lens_host[i]
+        keys = gather_blocks(kv.k_cache, kv.k_scale, block_ids, q.dtype)
+        values = gather_blocks(kv.v_cache, kv.v_scale, block_ids, q.dtype)
+        keys, values = keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
+    return _dense_attention(q[start:end], keys, values, mask, scale)
 
 
 def _dense_attention(
