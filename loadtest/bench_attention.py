@@ -54,48 +54,50 @@ def measure(
     }  # fmt: skip
 
 
-def measure_prefill(ops: object, prompt: int, repeats: int, dtype: torch.dtype) -> dict[str, float]:
-    """A fresh causal prompt of ``prompt`` tokens, per layer: the decode kernel serving one
-    row per prompt token (row j attends to j + 1 positions, as the cpp backend runs a
-    prefill chunk), against torch's ``scaled_dot_product_attention`` (is_causal, the torch
-    backend's path for a fresh prompt) on the same K and V, contiguous."""
-    import torch.nn.functional as F
+def measure_prefill(prefix: int, chunk: int, repeats: int, dtype: torch.dtype) -> dict[str, float]:
+    """One prefill chunk of ``chunk`` tokens after ``prefix`` cached ones (0: a fresh prompt),
+    per layer, through the cpp attention backend both ways it attends prompt tokens
+    (prefill_attention kernel: one decode query per token; sdpa: the torch backend's
+    scaled_dot_product_attention, over the chunk's own K/V when fresh, else over the
+    gathered context), the K/V write included in both."""
+    from common.engine.attention.base import AttentionBatch, LayerKV
+    from common.engine.attention.cpp_backend import CppAttentionBackend
 
-    blocks = -(-prompt // BLOCK)
+    total = prefix + chunk
+    blocks = -(-total // BLOCK)
     shape = (blocks + 1, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+    caches = [LayerKV(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+              for _ in range(LAYERS)]  # fmt: skip
     table = torch.randperm(blocks + 1)[:blocks].to(torch.int32)
-    tables = table.expand(prompt, blocks).contiguous()
-    lens = torch.arange(1, prompt + 1, dtype=torch.int32)
-    q = torch.randn(prompt, HEADS, HEAD_DIM)
-    dense = []
-    for k, v in caches:  # [1, Hkv, T, D], as the torch backend lays a fresh prompt out
-        rows = table.long()[:, None] * BLOCK + torch.arange(BLOCK)
-        flat = rows.flatten()[:prompt]
-        dense.append(tuple(c.view(-1, KV_HEADS, HEAD_DIM)[flat].float().transpose(0, 1)[None]
-                           for c in (k, v)))  # fmt: skip
-    qd = q.transpose(0, 1)[None]
+    positions = torch.arange(prefix, total)
+    batch = AttentionBatch(
+        slot_mapping=table.long()[positions // BLOCK] * BLOCK + positions % BLOCK,
+        num_decode_tokens=0, decode_block_tables=torch.empty(0, blocks, dtype=torch.int32),
+        decode_seq_lens=torch.empty(0, dtype=torch.int32), prefill_block_tables=table[None],
+        prefill_query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([total], dtype=torch.int32), max_decode_seq_len=0,
+        prefill_query_lens_host=[chunk], prefill_seq_lens_host=[total],
+    )  # fmt: skip
+    q = torch.randn(chunk, HEADS, HEAD_DIM)
+    k, v = torch.randn(chunk, KV_HEADS, HEAD_DIM), torch.randn(chunk, KV_HEADS, HEAD_DIM)
+    backends = {mode: CppAttentionBackend(None, mode) for mode in ("kernel", "sdpa")}
 
-    def kernel() -> float:
+    def layers(backend: CppAttentionBackend) -> float:
         start = time.perf_counter()
-        for k, v in caches:
-            ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, 0)  # type: ignore[attr-defined]
+        metadata = backend.prepare(batch, BLOCK)
+        for kv in caches:
+            backend.forward(q, k, v, kv, metadata, HEAD_DIM**-0.5)
         return time.perf_counter() - start
 
-    def sdpa() -> float:
-        start = time.perf_counter()
-        for k, v in dense:
-            F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=HEAD_DIM**-0.5,
-                                           enable_gqa=True)  # fmt: skip
-        return time.perf_counter() - start
-
-    kernel(), sdpa()  # warm-up
-    times_k, times_s = [], []
+    for backend in backends.values():  # warm-up
+        layers(backend)
+    times: dict[str, list[float]] = {mode: [] for mode in backends}
     for _ in range(repeats):  # alternated
-        times_k.append(kernel())
-        times_s.append(sdpa())
-    return {"prompt": prompt, "kernel_us_per_layer": min(times_k) / LAYERS * 1e6,
-            "sdpa_us_per_layer": min(times_s) / LAYERS * 1e6}  # fmt: skip
+        for mode, backend in backends.items():
+            times[mode].append(layers(backend))
+    return {"prefix": prefix, "chunk": chunk,
+            "kernel_us_per_layer": min(times["kernel"]) / LAYERS * 1e6,
+            "sdpa_us_per_layer": min(times["sdpa"]) / LAYERS * 1e6}  # fmt: skip
 
 
 def main() -> None:
@@ -106,8 +108,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--prefill", default="",
-                        help="PROMPT,...: also fresh prompts of these lengths, the decode kernel "
-                        "against scaled_dot_product_attention")  # fmt: skip
+                        help="CHUNK or PREFIX+CHUNK,...: also prefill chunks (fresh, or after "
+                        "PREFIX cached tokens) through the cpp backend's two ways of attending "
+                        "prompt tokens: the decode kernel and SDPA")  # fmt: skip
     args = parser.parse_args()
     from kernels.cpu import load
 
@@ -121,9 +124,11 @@ def main() -> None:
         r = measure(ops, batch, context, args.repeats, getattr(torch, args.kv_dtype))
         print(f"{batch:>3} x {context:>5} positions: {r['us_per_layer']:7.1f} us/layer, "
               f"{r['ms_per_step']:6.2f} ms/step, K+V {r['gb_s']:5.1f} GB/s")  # fmt: skip
-    for prompt in (int(x) for x in args.prefill.split(",") if x):
-        r = measure_prefill(ops, prompt, args.repeats, getattr(torch, args.kv_dtype))
-        print(f"prefill {prompt:>5} tokens: kernel {r['kernel_us_per_layer']:8.1f} us/layer, "
+    for case in (x for x in args.prefill.split(",") if x):
+        prefix, _, chunk = case.rpartition("+")
+        r = measure_prefill(int(prefix or 0), int(chunk), args.repeats,
+                            getattr(torch, args.kv_dtype))  # fmt: skip
+        print(f"prefill {case:>10} tokens: kernel {r['kernel_us_per_layer']:8.1f} us/layer, "
               f"sdpa {r['sdpa_us_per_layer']:8.1f} us/layer, kernel / sdpa "
               f"{r['kernel_us_per_layer'] / r['sdpa_us_per_layer']:.2f}")  # fmt: skip
 
