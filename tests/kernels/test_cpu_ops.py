@@ -690,11 +690,12 @@ def test_sdpa_prefill_sends_the_chunks_to_sdpa_and_the_decodes_to_the_kernel(
         for kv in caches[1:]:
             assert torch.equal(kv.k_cache, caches[0].k_cache)
             assert torch.equal(kv.v_cache, caches[0].v_cache)
-    # A chunk shorter than sdpa_min_tokens stays on the kernel: the 5-token chunk after the
-    # cached prefix (rows 8-12) gives the kernel's bits, the fresh 6-token one SDPA's.
+    # A chunk of less work (query tokens x context) than sdpa_min_work stays on the kernel:
+    # the fresh 6-token chunk (6 x 6) gives the kernel's bits, the 5 tokens after 8 cached
+    # ones (5 x 13) SDPA's.
     for window in (None, 5):
         short = CppAttentionBackend(window, "sdpa")
-        short.sdpa_min_tokens = 6
+        short.sdpa_min_work = 40
         outs = []
         for backend in (short, CppAttentionBackend(window, "kernel"), TorchAttentionBackend(window)):
             kv = LayerKV(k_cache.clone(), v_cache.clone())
@@ -702,8 +703,8 @@ def test_sdpa_prefill_sends_the_chunks_to_sdpa_and_the_decodes_to_the_kernel(
                                         head_dim**-0.5))  # fmt: skip
         mixed, kernel_out, torch_out = outs
         assert torch.equal(mixed[:decodes], kernel_out[:decodes])
-        assert torch.equal(mixed[decodes : decodes + 6], torch_out[decodes : decodes + 6])
-        assert torch.equal(mixed[decodes + 6 :], kernel_out[decodes + 6 :])
+        assert torch.equal(mixed[decodes : decodes + 6], kernel_out[decodes : decodes + 6])
+        assert torch.equal(mixed[decodes + 6 :], torch_out[decodes + 6 :])
     assert CppAttentionBackend(None, "auto").sdpa_prefill == (not ops.has_x16())
     assert CppAttentionBackend(None).sdpa_prefill == (not ops.has_x16())
     with pytest.raises(ValueError, match="prefill_attention must be auto, kernel or sdpa"):

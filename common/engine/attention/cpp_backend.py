@@ -94,8 +94,9 @@ def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 class CppAttentionBackend(TorchAttentionBackend):
     name = "cpp"
-    # With SDPA for prompts: chunks of fewer query tokens than this stay on the kernel.
-    sdpa_min_tokens = 0
+    # With SDPA for prompts: chunks whose query tokens x context positions fall below this
+    # stay on the kernel.
+    sdpa_min_work = 0
 
     def __init__(self, sliding_window: int | None = None, prefill_attention: str = "auto") -> None:
         from kernels.cpu import load
@@ -137,7 +138,7 @@ class CppAttentionBackend(TorchAttentionBackend):
             for i, (q_len, seq_len) in enumerate(
                 zip(batch.prefill_query_lens_host, batch.prefill_seq_lens_host, strict=True)
             ):
-                if q_len < self.sdpa_min_tokens:
+                if q_len * seq_len < self.sdpa_min_work:
                     tables = batch.prefill_block_tables[i : i + 1].expand(q_len, -1).contiguous()
                     lens = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
                     kernel_chunks[i] = (tables, lens)
