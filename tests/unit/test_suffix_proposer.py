@@ -128,6 +128,11 @@ def test_with_prompt_lookup_the_longer_match_wins() -> None:
 
 
 def test_the_config_takes_vllms_names_and_refuses_bad_values() -> None:
+    # {"method": "suffix"} alone: vLLM's defaults, guesses up to the tree's depth (16 at most).
+    bare = SpeculativeConfig.from_json('{"method": "suffix"}')
+    assert (bare.num_speculative_tokens, bare.suffix_decoding_max_tree_depth) == (16, 24)
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 8}
+                                       ).num_speculative_tokens == 8  # fmt: skip
     config = _config(suffix_decoding_max_tree_depth=32, suffix_decoding_min_token_prob=0.2)
     assert SpeculativeConfig.from_json(config.to_json()) == config
     assert config.suffix_decoding_max_spec_factor == 4.0

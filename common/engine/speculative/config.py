@@ -124,6 +124,11 @@ class SpeculativeConfig:
                 f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(_KEYS))}"
             )
+        if raw.get("method") == "suffix" and "num_speculative_tokens" not in raw:
+            # As vLLM: the tree's depth (here at most MAX_SPECULATIVE_TOKENS).
+            depth = raw.get("suffix_decoding_max_tree_depth", 24)
+            if isinstance(depth, int) and not isinstance(depth, bool):
+                raw = {**raw, "num_speculative_tokens": min(depth, MAX_SPECULATIVE_TOKENS)}
         if "method" not in raw or "num_speculative_tokens" not in raw:
             raise SpeculativeConfigError(
                 "--speculative-config needs 'method' and 'num_speculative_tokens'"
