@@ -146,7 +146,9 @@ def run_phase(args: argparse.Namespace) -> None:
             marks["tokens"] += length
         marks["end"] = time.time()
     marks["backend"] = type(engine.runner.backend).__name__
-    marks["prefill_sdpa"] = bool(getattr(engine.runner.backend, "sdpa_prefill", False))
+    backend = engine.runner.backend
+    marks["prefill_sdpa"] = bool(getattr(backend, "sdpa_prefill", False))
+    marks["sdpa_min_context"] = getattr(backend, "sdpa_min_context", None)
     marks["weights"] = engine.runner.weight_format.describe()
     Path(args.marks).write_text(json.dumps(marks))
 
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = {"phase": args.phase, "wall_s": wall, "steps": marks["steps"],
               "tokens": marks["tokens"], "samples": total, "backend": marks["backend"],
               "prefill_sdpa": marks["prefill_sdpa"], "weights": marks["weights"],
+              "sdpa_min_context": marks["sdpa_min_context"],
               "parts": {k: v / max(1, total) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},
               "top": [(s, n / max(1, total)) for s, n in sorted(by_symbol.items(), key=lambda kv: -kv[1])[:25]]}  # fmt: skip
     text = report(result)
@@ -209,10 +212,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     return result
 
 
+def sdpa_note(result: dict[str, Any]) -> str:
+    if not result["prefill_sdpa"]:
+        return ""
+    return f" (prompt chunks through SDPA from {result.get('sdpa_min_context')} positions)"
+
+
 def report(result: dict[str, Any]) -> str:
     per_step = result["wall_s"] / max(1, result["steps"]) * 1e3
     lines = [f"{result['phase']}: {result['weights']}, {result['backend']}"
-             f"{' (prompts through SDPA)' if result['prefill_sdpa'] else ''}; "
+             f"{sdpa_note(result)}; "
              f"{result['steps']} steps in {result['wall_s']:.2f} s ({per_step:.1f} ms a step, "
              f"{result['tokens'] / result['wall_s']:.0f} tok/s), {result['samples']} samples "
              "(both threads' CPU time)", ""]  # fmt: skip

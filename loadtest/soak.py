@@ -83,14 +83,50 @@ class SoakConfig:
 # -- memory ------------------------------------------------------------------------------------
 
 
+# A process's resident memory by where it lies (/proc/PID/smaps), so that growth can be
+# told apart: anonymous mappings of at least BIG_MAPPING bytes (a worker's KV pool, whose
+# pages become resident as its blocks are first used: growth that ends at the pool's size),
+# the C heap and the other anonymous mappings (glibc's arenas, thread stacks: what a leak or
+# the allocator's retention grows), and mapped files (code, the model's weights).
+BIG_MAPPING = 256 * MiB
+RSS_PARTS = ("big_anon", "heap", "files")
+
+
+def rss_parts(pid: int) -> dict[str, int] | None:
+    """Resident bytes of ``pid`` by RSS_PARTS; None if its smaps cannot be read."""
+    parts = dict.fromkeys(RSS_PARTS, 0)
+    name, size = "", 0
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    fields = line.split(maxsplit=5)
+                    name = fields[5].strip() if len(fields) > 5 else ""
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    size = end - start
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                    if name and not name.startswith("["):
+                        parts["files"] += rss
+                    elif not name and size >= BIG_MAPPING:
+                        parts["big_anon"] += rss
+                    else:
+                        parts["heap"] += rss
+    except OSError:
+        return None
+    return parts
+
+
 @dataclass
 class MemoryTrack:
-    """RSS samples of one process: (seconds since the soak started, bytes)."""
+    """RSS samples of one process: (seconds since the soak started, bytes), and the same
+    samples by part (rss_parts)."""
 
     name: str
     pid: int
     samples: list[tuple[float, int]] = field(default_factory=list)
     exited_at_s: float | None = None
+    parts: list[tuple[float, dict[str, int]]] = field(default_factory=list)
 
     def summary(self, warmup_s: float) -> dict[str, Any]:
         settled = [(t, rss) for t, rss in self.samples if t >= warmup_s] or self.samples[-1:]
@@ -112,6 +148,13 @@ class MemoryTrack:
             late_growth_mib=round((late[-1][1] - late[0][1]) / MiB, 1),
             late_slope_mib_per_h=round(growth_slope(late) / MiB * 3600, 1),
         )
+        late_parts = [(t, p) for t, p in self.parts if t >= half]
+        if len(late_parts) >= 3:  # which part the second half's slope comes from
+            out["late_slope_by_part_mib_per_h"] = {
+                part: round(growth_slope([(t, p[part]) for t, p in late_parts]) / MiB * 3600, 1)
+                for part in RSS_PARTS
+            }
+            out["end_by_part_mib"] = {k: round(v / MiB, 1) for k, v in late_parts[-1][1].items()}
         return out
 
 
@@ -152,6 +195,10 @@ class MemorySampler:
                 track.samples.append((now, proc.memory_info().rss))
             except psutil.Error:
                 track.exited_at_s = now
+                continue
+            parts = rss_parts(track.pid)
+            if parts is not None:
+                track.parts.append((now, parts))
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
@@ -359,6 +406,14 @@ def format_report(result: dict[str, Any]) -> str:
         )  # fmt: skip
     lines.append(f"(RSS in MiB; settled = first sample after {setup['warmup_s']:.0f} s; growth "
                  "and MiB/h from there to the end; 2nd half: the same over the last half)")  # fmt: skip
+    by_part = [m for m in result["memory"] if "late_slope_by_part_mib_per_h" in m]
+    if by_part:
+        lines += ["", "2nd half MiB/h by part (end MiB): anonymous mappings >= 256 MiB (a KV "
+                  "pool), heap and other anonymous memory, mapped files"]  # fmt: skip
+        for m in by_part:
+            slope, end = m["late_slope_by_part_mib_per_h"], m["end_by_part_mib"]
+            lines.append(f"{m['name']:<14}" + "".join(
+                f"{part:>10} {slope[part]:>7} ({end[part]:>7})" for part in RSS_PARTS))  # fmt: skip
     lines += ["", f"{'window':<12}{'sent':>6}{'done':>6}{'failed':>7}{'TTFT p50':>10}{'p99':>9}"
               f"{'TPOT p50':>10}{'p99':>8}"]  # fmt: skip
     for w in result["windows"]:

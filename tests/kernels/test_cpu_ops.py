@@ -678,7 +678,9 @@ def test_sdpa_prefill_sends_the_chunks_to_sdpa_and_the_decodes_to_the_kernel(
     block_size, head_dim, decodes = 4, 32, 2
     for window in (None, 5):
         outs, caches = [], []
-        for backend in (TorchAttentionBackend(window), CppAttentionBackend(window, "sdpa"),
+        every_chunk = CppAttentionBackend(window, "sdpa")
+        every_chunk.sdpa_min_context = every_chunk.sdpa_min_query = 0
+        for backend in (TorchAttentionBackend(window), every_chunk,
                         CppAttentionBackend(window, "kernel")):  # fmt: skip
             kv = LayerKV(k_cache.clone(), v_cache.clone())
             outs.append(backend.forward(q, k, v, kv, backend.prepare(batch, block_size),
@@ -690,12 +692,11 @@ def test_sdpa_prefill_sends_the_chunks_to_sdpa_and_the_decodes_to_the_kernel(
         for kv in caches[1:]:
             assert torch.equal(kv.k_cache, caches[0].k_cache)
             assert torch.equal(kv.v_cache, caches[0].v_cache)
-    # A chunk of less work (query tokens x context) than sdpa_min_work stays on the kernel:
-    # the fresh 6-token chunk (6 x 6) gives the kernel's bits, the 5 tokens after 8 cached
-    # ones (5 x 13) SDPA's.
+    # A chunk whose context is shorter than sdpa_min_context stays on the kernel: the fresh
+    # 6-token chunk gives the kernel's bits, the 5 tokens after 8 cached ones (13) SDPA's.
     for window in (None, 5):
         short = CppAttentionBackend(window, "sdpa")
-        short.sdpa_min_work = 40
+        short.sdpa_min_context, short.sdpa_min_query = 10, 1
         outs = []
         for backend in (short, CppAttentionBackend(window, "kernel"), TorchAttentionBackend(window)):
             kv = LayerKV(k_cache.clone(), v_cache.clone())
@@ -735,12 +736,16 @@ ENGINE_LOGIT_TOL = {"none": 5e-5, "int4": 1e-2}
 @pytest.mark.parametrize("quantization", list(ENGINE_LOGIT_TOL))
 @num_threads(1)  # tiny ops: on a busy machine a second thread is only a sync to wait on
 def test_engine_same_greedy_tokens_with_cpp_and_torch_attention(
-    tiny_llama: Path, quantization: str, prefill: str
+    tiny_llama: Path, quantization: str, prefill: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny llama, float or int4 (C++ matmuls, 16-bit activation codes, in both), with the
-    fused C++ ops (prompt tokens on the kernel or through SDPA) or the torch ones: the same
-    greedy tokens and every step's logits close."""
+    fused C++ ops (prompt tokens on the kernel, or every chunk through SDPA, however short)
+    or the torch ones: the same greedy tokens and every step's logits close."""
     from common.contract.sampling import SamplingParams
+    from common.engine.attention.cpp_backend import CppAttentionBackend
+
+    monkeypatch.setattr(CppAttentionBackend, "sdpa_min_context", 0)
+    monkeypatch.setattr(CppAttentionBackend, "sdpa_min_query", 0)
     from tests.factories import random_prompts, run_to_completion, tiny_engine
 
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts(384, [1, 9, 16, 40, 75], seed=3))}

@@ -91,3 +91,22 @@ def test_the_text_report_names_every_process_and_failure() -> None:
     text = format_report(result)
     assert "70% of capacity" in text and "{'UNAVAILABLE': 1}" in text
     assert "gateway" in text and "decode-0 10/10" in text
+
+
+def test_rss_parts_put_a_large_buffer_apart_from_the_heap() -> None:
+    import os
+
+    import numpy as np
+    import psutil
+
+    from loadtest.soak import BIG_MAPPING, RSS_PARTS, rss_parts
+
+    before = rss_parts(os.getpid())
+    assert before is not None and set(before) == set(RSS_PARTS)
+    buffer = np.ones(BIG_MAPPING // 8 + 4096, dtype=np.float64)  # touched: resident
+    after = rss_parts(os.getpid())
+    assert after is not None
+    assert after["big_anon"] - before["big_anon"] >= BIG_MAPPING
+    assert sum(after.values()) <= psutil.Process().memory_info().rss * 1.05
+    assert rss_parts(2**22 + 12345) is None  # no such process
+    del buffer

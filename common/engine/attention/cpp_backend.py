@@ -94,9 +94,15 @@ def _query_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 class CppAttentionBackend(TorchAttentionBackend):
     name = "cpp"
-    # With SDPA for prompts: chunks whose query tokens x context positions fall below this
-    # stay on the kernel.
-    sdpa_min_work = 0
+    # With SDPA for prompts, only chunks of at least sdpa_min_query tokens whose context
+    # (cached prefix and chunk) reaches sdpa_min_context take it; the rest stay on the
+    # kernel. Per layer of the default model's heads on a 2-core Zen 3 (AVX2;
+    # loadtest/bench_attention.py --prefill), kernel / SDPA: fresh prompts of 16-512 tokens
+    # 0.11-0.71, of 1024 1.10, of 2000 1.72; after a cached prefix, 64 tokens after 512 0.84,
+    # after 1000 1.09, 256 after 1000 1.47, 1000 after 1000 1.68. SDPA's fixed costs (the
+    # K/V copied per query head, the context gathered) pay off from about 1000 positions.
+    sdpa_min_context = 1024
+    sdpa_min_query = 64
 
     def __init__(self, sliding_window: int | None = None, prefill_attention: str = "auto") -> None:
         from kernels.cpu import load
@@ -138,7 +144,7 @@ class CppAttentionBackend(TorchAttentionBackend):
             for i, (q_len, seq_len) in enumerate(
                 zip(batch.prefill_query_lens_host, batch.prefill_seq_lens_host, strict=True)
             ):
-                if q_len * seq_len < self.sdpa_min_work:
+                if seq_len < self.sdpa_min_context or q_len < self.sdpa_min_query:
                     tables = batch.prefill_block_tables[i : i + 1].expand(q_len, -1).contiguous()
                     lens = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
                     kernel_chunks[i] = (tables, lens)
