@@ -33,22 +33,16 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from loadtest.baselines.engine_cases import run_cases
+from tests.factories import TINY_BASE, make_tiny_checkpoint
 
 # The default model's shape (SmolLM2-135M-Instruct's config.json), weights random.
 SMOLLM2_SHAPE: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+    initializer_range=0.02,  # transformers' default (tests.factories sets 0.2 for tiny ones)
     eos_token_id=2,
 )  # fmt: skip
-TINY_SHAPE: dict[str, Any] = dict(
-    vocab_size=384, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
-    eos_token_id=2,
-)  # fmt: skip
-
-
 class SteppedPdserve:
     """pdserve's Engine behind engine_cases.SteppedEngine."""
 
@@ -61,17 +55,6 @@ class SteppedPdserve:
 
     def step(self) -> list[tuple[int, int, bool]]:
         return [(int(o.request_id), len(o.new_token_ids), o.finished) for o in self.engine.step()]
-
-
-def make_checkpoint(path: Path, shape: dict[str, Any], seed: int) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", **shape)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -198,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tiny = make_checkpoint(out / "ckpt-tiny", TINY_SHAPE, args.seed)
+    tiny = make_tiny_checkpoint(out / "ckpt-tiny", "llama", seed=args.seed)
     shape = dict(SMOLLM2_SHAPE, num_hidden_layers=2) if args.quick else SMOLLM2_SHAPE
-    full = make_checkpoint(out / "ckpt-smollm2-shape", shape, args.seed)
+    full = make_tiny_checkpoint(out / "ckpt-smollm2-shape", "llama", seed=args.seed, **shape)
     result: dict[str, Any] = {"environment": environment(args.device), "parity": {}}
-    result["parity"]["tiny llama"] = parity(tiny, args.device, TINY_SHAPE["vocab_size"], 32)
+    result["parity"]["tiny llama"] = parity(tiny, args.device, TINY_BASE["vocab_size"], 32)
     print(f"parity tiny: {result['parity']['tiny llama']['equal']}", flush=True)
     result["parity"]["smollm2 shape"] = parity(full, args.device, shape["vocab_size"],
                                                8 if args.quick else 32)  # fmt: skip
