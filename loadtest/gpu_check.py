@@ -43,6 +43,8 @@ SMOLLM2_SHAPE: dict[str, Any] = dict(
     initializer_range=0.02,  # transformers' default (tests.factories sets 0.2 for tiny ones)
     eos_token_id=2,
 )  # fmt: skip
+
+
 class SteppedPdserve:
     """pdserve's Engine behind engine_cases.SteppedEngine."""
 
