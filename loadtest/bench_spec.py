@@ -12,9 +12,11 @@ Workloads, each a list of chat prompts for the default model (SmolLM2-135M-Instr
   whole file back. Answers repeat structure across requests (the same JSON shape, the same
   file), which a suffix tree over past responses can guess (``"method": "suffix"``).
 
-For each workload and concurrency (1: one request at a time; 16: sixteen at once, the
-prompts cycled) both engines run the same requests greedily, in alternating rounds
-(``--rounds``) so that a machine whose speed drifts moves both arms alike. Printed per
+For each workload and concurrency (1: one request at a time; 16: sixteen at once) both
+engines run the same requests greedily, in alternating rounds (``--rounds``) so that a
+machine whose speed drifts moves both arms alike. Each round's prompts are new to the run:
+a global tree over past responses sees what real traffic would share (sentence parts, the
+tools' JSON shapes, the file under edit), never the same request answered before. Printed per
 cell: TPOT (mean over requests of (last token - first token) / (tokens - 1)), output tok/s
 (all tokens / wall time of the round), for the speculating arm the acceptance rate (kept
 / proposed) and mean acceptance length (tokens per verify round, the bonus included), and
@@ -25,7 +27,7 @@ Run it on a quiet machine:
 
     .venv/bin/python -m loadtest.bench_spec [--threads 2] [--rounds 3] [--max-tokens 128]
         [--speculative-config JSON] [--concurrency 1,16] [--json out.json]
-    # suffix decoding (the global tree carries each round's answers into the next)
+    # suffix decoding (the global tree carries what earlier rounds answered into the next)
     .venv/bin/python -m loadtest.bench_spec --speculative-config \
         '{"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_spec_factor": 2}'
     # self-speculation: the float32 target drafted by its own GGUF
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -50,40 +53,93 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.llm import LLM
 from common.models.default_model import resolve_model
-from tests.prompts import QUESTIONS, passage
 
 DEFAULT_SPEC = (
     '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 8, '
     '"prompt_lookup_min": 2}'
 )
 
-_DOC = (
-    "Release notes, version 2.4. The scheduler now admits requests in arrival order and "
-    "preempts the newest one when memory runs out. Prefix caching is on by default. The "
-    "block store keeps evicted blocks for an hour. Metrics are exported under the pdserve "
-    "prefix. The command line gained a status command that lists every worker."
-)
+# Every round gets prompts no earlier round (of any cell of the run) had: with a global
+# tree over past responses ("method": "suffix") a repeated prompt would be answered from
+# the tree word for word, which real traffic does not do. What stays common across
+# requests is what real traffic shares: sentence parts, the tools' JSON shapes, the file
+# being edited. Variants are numbered; each workload's counter runs on across its cells.
+
+_SUBJECTS = [
+    "The river", "An engineer", "The committee", "A gardener", "The night train",
+    "Our scheduler", "The old library", "A student", "The harbour crane", "The city council",
+    "A wind turbine", "The kitchen staff", "The survey team", "A cargo ship", "The museum",
+]
+_VERBS = [
+    "measured", "repainted", "postponed", "rebuilt", "counted", "photographed", "moved",
+    "inspected", "described", "replaced", "ordered", "archived", "tested", "shared",
+]
+_OBJECTS = [
+    "the bridge by the mill", "every map in the east wing", "the budget for spring",
+    "the fence along the south field", "three hundred wooden crates", "the signal tower",
+    "the ledger of the last decade", "a queue of late orders", "the copper roof",
+    "the tide tables for April", "the blue carriages", "a row of apple trees",
+    "the pumps under the square", "the winter timetable", "the lamps on the pier",
+]
+_WHEN = [
+    "before the first frost", "after the storm", "on a quiet Sunday", "in under an hour",
+    "while the market was closed", "at the request of the mayor", "for the third time",
+    "without any help", "during the long holiday", "as the sun went down",
+]
 
 
-def copy_prompts() -> list[list[dict[str, str]]]:
-    docs = [_DOC, passage(5, offset=1), passage(4, offset=6)]
-    chats: list[list[dict[str, str]]] = []
-    for doc in docs:
-        chats.append([{"role": "user", "content": f"{doc}\n\nRepeat the text above exactly."}])
-        chats.append([{"role": "user", "content": f"Fix the spelling in this text and return "
-                       f"all of it:\n\n{doc.replace('the', 'teh', 2)}"}])  # fmt: skip
-        chats.append([{"role": "user", "content": f"Quote the text below word for word, as a "
-                       f"numbered list of its sentences.\n\n{doc}"}])  # fmt: skip
-        chats.append([
-            {"role": "user", "content": "Write a note for the team about the release."},
-            {"role": "assistant", "content": doc},
-            {"role": "user", "content": "Send me that note again, exactly as before."},
-        ])  # fmt: skip
-    return chats
+def _sentence(rng: random.Random) -> str:
+    return (f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
+            f"{rng.choice(_WHEN)}.")  # fmt: skip
 
 
-def chat_prompts() -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": q}] for q in QUESTIONS]
+def _document(variant: int) -> str:
+    rng = random.Random(f"doc-{variant}")
+    if variant % 3 == 0:  # release notes: a version and settings that differ per variant
+        version = f"{2 + variant // 7}.{variant % 7}"
+        hours = rng.choice([1, 2, 6, 12, 24])
+        return (f"Release notes, version {version}. The scheduler now admits requests in "
+                f"arrival order and preempts the newest one when memory runs out. "
+                f"{_sentence(rng)} The block store keeps evicted blocks for {hours} hours. "
+                f"{_sentence(rng)}")  # fmt: skip
+    return " ".join(_sentence(rng) for _ in range(4 + variant % 2))
+
+
+def copy_prompts(variant: int) -> list[list[dict[str, str]]]:
+    """Four requests that copy or edit one document of their own."""
+    doc = _document(variant)
+    return [
+        [{"role": "user", "content": f"{doc}\n\nRepeat the text above exactly."}],
+        [{"role": "user", "content": f"Fix the spelling in this text and return all of it:"
+          f"\n\n{doc.replace('the', 'teh', 2)}"}],
+        [{"role": "user", "content": f"Quote the text below word for word, as a numbered "
+          f"list of its sentences.\n\n{doc}"}],
+        [{"role": "user", "content": "Write a note for the team about the release."},
+         {"role": "assistant", "content": doc},
+         {"role": "user", "content": "Send me that note again, exactly as before."}],
+    ]  # fmt: skip
+
+
+_QUESTION_FORMS = [
+    "Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
+    "What are the pros and cons of {}?", "Give me a tip about {}.",
+    "Describe the history of {} in a few sentences.", "Why do people care about {}?",
+    "Tell me a short story that involves {}.",
+]
+_TOPICS = [
+    "the ocean", "paperclips", "learning a language", "volcanoes", "bicycles", "tea",
+    "the moon", "bread baking", "chess", "rainforests", "electric cars", "bees",
+    "public libraries", "jazz", "glaciers", "the printing press",
+]
+# Every (form, topic) pair once, in one fixed order: variants take 8 at a time.
+_QUESTIONS = [f.format(t) for f in _QUESTION_FORMS for t in _TOPICS]
+random.Random(0).shuffle(_QUESTIONS)
+
+
+def chat_prompts(variant: int) -> list[list[dict[str, str]]]:
+    """Eight open questions whose answers the context does not hold."""
+    n = len(_QUESTIONS)
+    return [[{"role": "user", "content": _QUESTIONS[(variant * 8 + i) % n]}] for i in range(8)]
 
 
 _TOOLS = (
@@ -96,13 +152,16 @@ _TOOLS = (
     '{"name": "send_email", "description": "Send an email", "parameters": {"to": "string", '
     '"subject": "string", "body": "string"}}'
 )
-_TASKS = [
-    "What is the weather in Paris right now, in celsius?",
-    "Is it cold in Oslo today? Use fahrenheit.",
-    "Find me a flight from Berlin to Rome on 2026-03-14.",
-    "Find flights from Madrid to Lisbon on 2026-05-02.",
-    "Email bob@example.com that the meeting moved to Friday.",
-    "Tell alice@example.com the report is ready, subject Report.",
+_CITIES = [
+    "Paris", "Oslo", "Berlin", "Rome", "Madrid", "Lisbon", "Vienna", "Prague", "Dublin",
+    "Warsaw", "Athens", "Helsinki", "Zurich", "Brussels", "Budapest", "Copenhagen", "Porto",
+    "Krakow", "Seville", "Lyon", "Milan", "Munich", "Riga", "Tallinn",
+]
+_PEOPLE = ["bob", "alice", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy"]
+_NEWS = [
+    "the meeting moved to Friday", "the report is ready", "the server is back up",
+    "the invoice was paid", "lunch is at noon", "the release slipped a week",
+    "the demo went well", "the office is closed on Monday",
 ]
 _FILE = '''import json
 from pathlib import Path
@@ -126,29 +185,70 @@ def merge(base, override):
             result[key] = value
     return result
 '''
-_EDITS = [
-    "Rename the function merge to deep_merge everywhere.",
-    "Add a docstring to load_config.",
-    "Add type hints to save_config.",
-    "Make load_config return an empty dict when the file does not exist.",
+_EDIT_FORMS = [
+    "Add a docstring to {}.", "Add type hints to {}.", "Rename {0} to {0}_v2 everywhere.",
+    "Add a logging call at the start of {}.", "Make {} raise ValueError on an empty path.",
+    "Move {} to the top of the file.", "Add a comment above {} saying what it returns.",
+    "Make {} keyword-only after its first argument.", "Add a default value to the last "
+    "argument of {}.", "Write {} with a guard clause for None.",
+    "Add an assert to {} that checks its first argument.", "Make {} print what it does.",
 ]
+_EDITS = [f.format(fn) for f in _EDIT_FORMS for fn in ("load_config", "save_config", "merge")]
+random.Random(1).shuffle(_EDITS)
 
 
-def agentic_prompts() -> list[list[dict[str, str]]]:
-    chats: list[list[dict[str, str]]] = []
-    for task in _TASKS:
-        chats.append([{"role": "system", "content": _TOOLS}, {"role": "user", "content": task}])
+def agentic_prompts(variant: int) -> list[list[dict[str, str]]]:
+    """Eight agent requests: tool calls as JSON (one after an earlier call and its result)
+    and edits of one Python file returned whole; tasks, cities and edits differ per
+    variant, the tools and the file do not."""
+    rng = random.Random(f"agent-{variant}")
+    a, b, c, d = rng.sample(_CITIES, 4)
+    day = f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    who, other = rng.sample(_PEOPLE, 2)
+    tasks = [
+        f"What is the weather in {a} right now, in {rng.choice(['celsius', 'fahrenheit'])}?",
+        f"Find me a flight from {b} to {c} on {day}.",
+        f"Email {who}@example.com that {rng.choice(_NEWS)}.",
+        f"Tell {other}@example.com that {rng.choice(_NEWS)}, subject Update.",
+    ]
+    chats = [[{"role": "system", "content": _TOOLS}, {"role": "user", "content": t}]
+             for t in tasks]  # fmt: skip
     # The next call after an earlier one and its result: the same shapes again.
     chats.append([
         {"role": "system", "content": _TOOLS},
-        {"role": "user", "content": "Check the weather in Rome, then email it to bob@example.com."},
-        {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Rome", '
-                                         '"unit": "celsius"}}'},
-        {"role": "user", "content": 'Tool result: {"temperature": 17, "sky": "clear"}'},
+        {"role": "user", "content": f"Check the weather in {d}, then email it to "
+                                    f"{who}@example.com."},
+        {"role": "assistant", "content": f'{{"name": "get_weather", "arguments": {{"city": '
+                                         f'"{d}", "unit": "celsius"}}}}'},
+        {"role": "user", "content": f'Tool result: {{"temperature": {rng.randint(-5, 30)}, '
+                                    f'"sky": "{rng.choice(["clear", "cloudy", "rain"])}"}}'},
     ])  # fmt: skip
-    for edit in _EDITS:
+    n = len(_EDITS)
+    for i in range(3):
+        edit = _EDITS[(variant * 3 + i) % n]
         chats.append([{"role": "user", "content": f"{_FILE}\n{edit} Return the whole file."}])
     return chats
+
+
+WORKLOADS = {"copy": copy_prompts, "chat": chat_prompts, "agentic": agentic_prompts}
+
+
+def plan(workload: str, concurrencies: list[int], rounds: int):
+    """Yield (concurrency, round, chats) for each cell and round of ``workload``, in run
+    order. Each round takes the next variants of the workload (none is used twice in a
+    run): 12 copy requests, 8 chat or agentic ones at concurrency 1; at least 16 at 16.
+    Documents are drawn afresh for every variant; the 128 chat questions and 36 file edits
+    last 5 and 4 rounds at concurrencies 1 and 16 (the default is 3) before they recur."""
+    builder = WORKLOADS[workload]
+    variant = 0
+    for concurrency in concurrencies:
+        count = max(concurrency, 12 if workload == "copy" else 8)
+        for r in range(rounds):
+            chats: list[list[dict[str, str]]] = []
+            while len(chats) < count:
+                chats += builder(variant)
+                variant += 1
+            yield concurrency, r, chats[:count]
 
 
 @dataclass
@@ -226,27 +326,26 @@ def main() -> None:
     none = LLM(EngineConfig(model=model, num_threads=args.threads, **quant))
     spec = LLM(EngineConfig(model=model, num_threads=args.threads, **quant,
                             speculative_config=args.speculative_config))  # fmt: skip
-    workloads = {"copy": copy_prompts, "chat": chat_prompts, "agentic": agentic_prompts}
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     print(f"speculation: {args.speculative_config}; {args.threads} threads, "
-          f"{args.max_tokens} tokens at most, greedy, {args.rounds} rounds", flush=True)  # fmt: skip
+          f"{args.max_tokens} tokens at most, greedy, {args.rounds} rounds, "
+          f"fresh prompts every round", flush=True)  # fmt: skip
+    warm = [none.tokenizer.encode_chat([{"role": "user", "content": "Say hello."}])] * 2
     cells: dict[tuple[str, int], Cell] = {}
     for name in args.workloads.split(","):
-        chats = workloads[name]()
-        encoded = [none.tokenizer.encode_chat(c) for c in chats]
-        for concurrency in concurrencies:
-            prompts = encoded if concurrency == 1 else [
-                encoded[i % len(encoded)] for i in range(max(16, len(encoded)))]  # fmt: skip
-            run_round(none, prompts[:2], concurrency, 8)  # warm both arms
-            run_round(spec, prompts[:2], concurrency, 8)
-            cell = cells[(name, concurrency)] = Cell()
-            for r in range(args.rounds):
-                arms = [("none", none, cell.none), ("spec", spec, cell.spec)]
-                for _, llm, rounds in arms if r % 2 == 0 else arms[::-1]:
-                    rounds.append(run_round(llm, prompts, concurrency, args.max_tokens))
-                if cell.none[-1].outputs != cell.spec[-1].outputs:
-                    raise SystemExit(f"{name} c{concurrency}: outputs differ between the arms")
-            print(report_line(name, concurrency, cell), flush=True)
+        for concurrency, r, chats in plan(name, concurrencies, args.rounds):
+            if r == 0:
+                run_round(none, warm, concurrency, 8)  # warm both arms
+                run_round(spec, warm, concurrency, 8)
+            cell = cells.setdefault((name, concurrency), Cell())
+            prompts = [none.tokenizer.encode_chat(c) for c in chats]
+            arms = [("none", none, cell.none), ("spec", spec, cell.spec)]
+            for _, llm, rounds in arms if r % 2 == 0 else arms[::-1]:
+                rounds.append(run_round(llm, prompts, concurrency, args.max_tokens))
+            if cell.none[-1].outputs != cell.spec[-1].outputs:
+                raise SystemExit(f"{name} c{concurrency}: outputs differ between the arms")
+            if r == args.rounds - 1:
+                print(report_line(name, concurrency, cell), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({f"{k[0]}-c{k[1]}": {arm: [vars(r) | {"outputs": None} for r in rounds]
