@@ -66,7 +66,8 @@ def main() -> None:
     llm = LLM(EngineConfig(model=resolve_model(None), num_threads=args.threads,
                            speculative_config=json.dumps(config)))  # fmt: skip
     engine = llm.engine
-    encoded = [llm.tokenizer.encode_chat(c) for c in copy_prompts()]
+    chats = [chat for variant in range(3) for chat in copy_prompts(variant)]  # 12 prompts
+    encoded = [llm.tokenizer.encode_chat(c) for c in chats]
     prompts = [encoded[i % len(encoded)] for i in range(args.concurrency)]
     sampling = SamplingParams(max_tokens=128, temperature=0.0)
     timed = _Recording()
