@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from common.contract.sampling import SamplingParams
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from loadtest.baselines.engine_cases import run_cases
-from tests.factories import TINY_BASE, make_tiny_checkpoint
+from tests.factories import TINY_BASE, make_tiny_checkpoint, random_prompts
 
 # The default model's shape (SmolLM2-135M-Instruct's config.json), weights random.
 SMOLLM2_SHAPE: dict[str, Any] = dict(
@@ -57,11 +56,6 @@ class SteppedPdserve:
 
     def step(self) -> list[tuple[int, int, bool]]:
         return [(int(o.request_id), len(o.new_token_ids), o.finished) for o in self.engine.step()]
-
-
-def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def parity(model_dir: Path, device: str, vocab: int, max_new: int) -> dict[str, Any]:

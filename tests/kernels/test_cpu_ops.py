@@ -743,10 +743,10 @@ def test_engine_same_greedy_tokens_with_cpp_and_torch_attention(
     or the torch ones: the same greedy tokens and every step's logits close."""
     from common.contract.sampling import SamplingParams
     from common.engine.attention.cpp_backend import CppAttentionBackend
+    from tests.factories import random_prompts, run_to_completion, tiny_engine
 
     monkeypatch.setattr(CppAttentionBackend, "sdpa_min_context", 0)
     monkeypatch.setattr(CppAttentionBackend, "sdpa_min_query", 0)
-    from tests.factories import random_prompts, run_to_completion, tiny_engine
 
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts(384, [1, 9, 16, 40, 75], seed=3))}
     params = SamplingParams(max_tokens=20, ignore_eos=True)
